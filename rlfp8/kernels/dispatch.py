@@ -1,0 +1,84 @@
+"""Which implementation of each kernel op runs, and a record of what actually ran.
+
+Every op in rlfp8.kernels has a Triton kernel and a plain-torch reference. `choose(op, *tensors)`
+picks one and records it; nothing falls back silently:
+  - backend "auto" (default): Triton for CUDA tensors, the torch reference for CPU tensors;
+  - backend "triton": Triton always; CPU tensors are allowed only under TRITON_INTERPRET=1
+    (the interpreter), otherwise it raises;
+  - backend "torch": the reference always (the baseline arm, and the CPU path).
+Set it with `set_backend(...)`, the env var RLFP8_KERNELS, or the config key `trainer.kernels`.
+`report()` returns {op: {path: calls}}; the trainer logs it, and the first call of each
+(op, path) pair is logged at INFO.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+log = logging.getLogger("rlfp8.kernels")
+
+BACKENDS = ("auto", "triton", "torch")
+_backend = os.environ.get("RLFP8_KERNELS", "auto")
+if _backend not in BACKENDS:
+    raise ValueError(f"RLFP8_KERNELS={_backend!r}: allowed values are {BACKENDS}")
+_ran: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def set_backend(backend: str) -> None:
+    global _backend
+    if backend not in BACKENDS:
+        raise ValueError(f"kernel backend {backend!r}: allowed values are {BACKENDS}")
+    _backend = backend
+
+
+def get_backend() -> str:
+    return _backend
+
+
+@contextmanager
+def use_backend(backend: str):
+    old = _backend
+    set_backend(backend)
+    try:
+        yield
+    finally:
+        set_backend(old)
+
+
+def choose(op: str, *tensors: torch.Tensor | None) -> str:
+    """Return "triton" or "torch" for this call of `op` and record the choice."""
+    on_cuda = any(t is not None and t.is_cuda for t in tensors)
+    if _backend == "torch":
+        path = "torch"
+    elif _backend == "triton":
+        if not on_cuda and not triton_interpreting():
+            raise RuntimeError(
+                f"rlfp8.kernels.{op}: backend 'triton' was forced but the tensors are on the CPU "
+                "and TRITON_INTERPRET=1 is not set; use backend 'auto' or 'torch' on the CPU")
+        path = "triton"
+    else:
+        path = "triton" if on_cuda else "torch"
+    record(op, path)
+    return path
+
+
+def record(op: str, path: str) -> None:
+    if _ran[op][path] == 0:
+        log.info("rlfp8.kernels: %s runs on %s", op, path)
+    _ran[op][path] += 1
+
+
+def report() -> dict[str, dict[str, int]]:
+    return {op: dict(paths) for op, paths in _ran.items()}
+
+
+def reset_report() -> None:
+    _ran.clear()
