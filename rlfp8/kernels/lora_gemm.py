@@ -1,0 +1,568 @@
+"""K2: the FP8 base GEMM with every adapter's up-projection, DoRA scale and bias in its epilogue.
+
+    y[t, n] = g[slot(t), n] · ( scale[t, n] · acc[t, n]  +  h[l(n), t] · B_l(n)[slot(t), n - off_l]ᵀ ) + bias[n]
+    acc = x · qᵀ (fp32),  scale = s_x[t]·s_w[n] (W8A8: FP8 MMA on x_q)  or  s_w[n] (W8A16: the FP8 weight tile
+    widened to x.dtype in registers, 16-bit MMA, fp32 accumulation). Rows with slot -1 get no LoRA and no g.
+
+Shapes: x [T, K] (bf16/fp16, or e4m3 codes with x_scale [T, 1] for W8A8); q [N, K] e4m3, w_scale [N] fp32;
+h [L, T, r] fp32 from K1 (lora_shrink); B: one tensor or L slice tensors [S, N_l, r] (vLLM's [S, 1, N_l, r]
+accepted), Σ N_l = N, slice l covering output columns [off_l, off_l + N_l) of the concatenated weight (qkv,
+gate_up: one GEMM over the row-concatenated weight, B per slice exactly as vLLM stores it), s already folded
+into B; g [S, N] fp32 (DoRA); bias [N]; y [T, N] in out_dtype (default bf16), written once in token order,
+rounded once.
+
+Kernel strategy (Hopper):
+  * swap-AB: the program computes the transposed tile accᵀ [BLOCK_N, BLOCK_M] = W_tile · x_tileᵀ, so the
+    weight rows fill the 64-row wgmma M side even for a handful of tokens (BLOCK_M = 16 at decode), and in
+    W8A16 the widened weight tile is the register-sourced A operand of wgmma (no round trip through shared
+    memory), x the shared-memory B operand (K-major, as wgmma wants for both bf16 and fp8).
+  * split-K for small T: SPLIT_K programs share a tile; each writes its fp32 partial to a workspace, the
+    last one (atomic tile counter, reset afterwards) sums them in split order and runs the epilogue:
+    deterministic, and the epilogue still sees the full sum before the single rounding.
+  * rows: with metadata, a tile's rows come from vLLM's token_indices_sorted_by_lora_ids (adapter-sorted), so
+    a tile touches few adapters; the epilogue loops over the distinct slots of its rows (ascending), each
+    iteration one small dot B_slot_tile [BLOCK_N, r] · h_rowsᵀ [r, BLOCK_M] into the fp32 accumulator
+    (by default two 16-bit MMAs on h = hi + lo, see LORA_PRECISIONS), reading only the tile's columns of B.
+  * the wait point for h is explicit: with USE_PDL a `gdc_wait()` sits right before the epilogue reads h
+    (before the main loop in W8A8, whose x_q also comes from K1), so a later programmatic-dependent launch
+    can overlap K1 with K2's main loop. The interpreter cannot run gdc_*, hence the constexpr guard.
+  * configs per token bucket (gemm_config); a tuned table (rlfp8/kernels/tuned/<gpu>.json, written by
+    bench/kernels.py --tune) overrides the heuristics. Configs are keyed by (mode, token bucket, K, N class)
+    where the N class only separates N <= 8192 from wider weights, so the q/k/v row views of a fused qkv
+    (and o_proj) get the same split as the fused call: a row's result does not depend on the view.
+
+Same (T, mode, K, N class) => same arithmetic order for a row, whatever else is in the batch: the matched
+property (engine W8A16 call and trainer forward bit-identical on the same rows) rests on this.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from . import dispatch
+from ._triton_utils import (cdiv, check_pdl, check_tensor, launch, next_pow2, require_triton_device,
+                            split_counters, stacked_view)
+from .fp8 import ACT_ROUNDING, FP8_DTYPE, quantize_activation
+from .lora_shrink import ShrinkOut, lora_shrink
+from .metadata import LoRAMeta
+
+OP = "lora_gemm"
+# How the epilogue multiplies h (fp32) by B (16-bit): "bf16x2" (default) splits h = hi + lo into two
+# 16-bit values and runs two 16-bit MMAs (B is exact in 16 bits, so h·Bᵀ keeps ~2^-17 relative accuracy at
+# a third of tf32x3's cost); "bf16" rounds h once (vLLM's expand does this); "tf32x3"/"tf32"/"ieee" are
+# tl.dot's fp32 modes (ieee = FMA, exact fp32 products). The matched property needs engine and trainer to
+# use the same mode: both take this default.
+LORA_PRECISIONS = ("bf16x2", "bf16", "tf32x3", "tf32", "ieee")
+# RLFP8_FP8_PRECISE_ACC=<k>: promote the FP8 MMA accumulator to fp32 every k reduction elements (slower,
+# DeepSeek-V3 style); unset = Triton's sm_90 default (fast accumulation, like vLLM's CUTLASS FastAccum).
+FP8_PRECISE_ACC = int(os.environ["RLFP8_FP8_PRECISE_ACC"]) if os.environ.get("RLFP8_FP8_PRECISE_ACC") else None
+_BIG = tl.constexpr(1 << 30)    # "no more slots" sentinel (kernels may only read constexpr globals)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# configs
+@dataclass(frozen=True)
+class GemmConfig:
+    block_n: int          # weight rows per tile (wgmma M side, multiple of 64)
+    block_m: int          # tokens per tile (wgmma N side, >= 16)
+    block_k: int
+    split_k: int = 1
+    group_m: int = 8      # token tiles swept per weight tile (L2 reuse at large T)
+    num_warps: int = 4
+    num_stages: int = 4
+    w_tma: bool = False   # load the weight tiles with TMA (host TensorDescriptor) instead of cp.async
+
+    def key(self) -> tuple:
+        return tuple(asdict(self).values())
+
+
+M_BUCKETS = (16, 32, 64, 128, 256, 512, 1 << 62)
+NUM_SMS_HINT = 132          # H100/H200; only shapes the split-K heuristic
+
+
+def m_bucket(M: int) -> int:
+    for b in M_BUCKETS:
+        if M <= b:
+            return b
+    return M_BUCKETS[-1]
+
+
+def n_class(N: int) -> str:
+    return "narrow" if N <= 8192 else "wide"
+
+
+def _heuristic(mode: str, M: int, N: int, K: int) -> GemmConfig:
+    fp8 = mode == "w8a8"
+    b = m_bucket(M)
+    if b <= 16:
+        bn, bm, bk, nw, ns = 64, 16, 256, 4, 5 if fp8 else 4
+    elif b <= 32:
+        bn, bm, bk, nw, ns = 64, 32, 256, 4, 4
+    elif b <= 64:
+        bn, bm, bk, nw, ns = 128, 64, 128, 4, 4
+    elif b <= 256:
+        bn, bm, bk, nw, ns = 128, 128, 128 if fp8 else 64, 8, 4
+    else:
+        bn, bm, bk, nw, ns = 128, 256, 128 if fp8 else 64, 8, 3
+    return GemmConfig(bn, bm, bk, _split(b, N, K, bn, bm, bk), 8, nw, ns)
+
+
+def _split(b: int, N: int, K: int, bn: int, bm: int, bk: int) -> int:
+    """split-K while the tile grid is below ~2 waves, capped so that the fp32 partials (written and read
+    once per split: 8·T·N bytes) stay under ~1/2 of the FP8 weight bytes (N·K). The N class replaces N so
+    q/k/v views, qkv and o_proj (all N <= 8192) get the same split (the matched property across views)."""
+    if b > 256:
+        return 1
+    n_eff = 4096 if n_class(N) == "narrow" else N
+    tiles = cdiv(n_eff, bn) * cdiv(b, bm)
+    return max(1, min(round(2 * NUM_SMS_HINT / tiles), K // (2 * bk), K // (16 * b), 8))
+
+
+_tuned: dict | None = None
+
+
+def tuned_table_path(device: torch.device | None = None) -> Path:
+    name = os.environ.get("RLFP8_TUNED_GPU")
+    if name is None:
+        name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"
+    slug = "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
+    return Path(__file__).parent / "tuned" / f"{slug}.json"
+
+
+def _tuned_table(device) -> dict:
+    global _tuned
+    if _tuned is None:
+        p = tuned_table_path(device)
+        _tuned = json.loads(p.read_text()).get("gemm", {}) if p.exists() else {}
+    return _tuned
+
+
+def reload_tuned_table() -> None:
+    global _tuned
+    _tuned = None
+
+
+def config_key(mode: str, M: int, N: int, K: int, transposed: bool = False) -> str:
+    """Tuned-table key; "T" marks the backward dx GEMM that reads the codes transposed (qᵀ [K, N])."""
+    return f"{mode}{'T' if transposed else ''}|{m_bucket(M)}|{K}|{n_class(N)}"
+
+
+def gemm_config(mode: str, M: int, N: int, K: int, device=None, transposed: bool = False) -> GemmConfig:
+    """The config the launcher uses: the tuned table's entry for (mode, bucket, K, N class), else heuristic."""
+    if device is not None and torch.device(device).type == "cuda":
+        entry = _tuned_table(device).get(config_key(mode, M, N, K, transposed))
+        if entry is not None:
+            return GemmConfig(**entry)
+    return _heuristic(mode, M, N, K)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# kernel
+@triton.jit
+def _lora_gemm_kernel(
+    w_ptr, x_ptr, y_ptr, sw_ptr, sx_ptr,          # w_ptr: pointer, or a TensorDescriptor [N, K] when W_TMA
+    h_ptr, b0_ptr, b1_ptr, b2_ptr, slot_ptr, perm_ptr, g_ptr, bias_ptr,
+    part_ptr, cnt_ptr,
+    M, N, K, R, end0, end1,
+    stride_wn, stride_wk, stride_xm, stride_xk, stride_ym, stride_yn,
+    stride_hl, stride_hm, stride_hr,
+    stride_bs0, stride_bs1, stride_bs2,       # slot stride of each B slice ([S, N_l, r]: N_l differs)
+    stride_bn, stride_br,                     # shared by every B slice
+    stride_gs, stride_gn,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    WIDEN_W: tl.constexpr,      # W8A16: widen the e4m3 tile to x's dtype in registers (else FP8 MMA)
+    SCALE_W: tl.constexpr,      # 0 none, 1 per output column (epilogue), 2 per reduction index (main loop)
+    HAS_XS: tl.constexpr,       # per-token activation scale (W8A8)
+    HAS_LORA: tl.constexpr, N_SLICES: tl.constexpr, BLOCK_R: tl.constexpr,
+    ALL_SLOT0: tl.constexpr,    # no metadata: every row uses slot 0 (trainer)
+    GATHER: tl.constexpr,       # tile rows through the adapter-sorted permutation
+    HAS_G: tl.constexpr, HAS_BIAS: tl.constexpr, LORA_PREC: tl.constexpr, LORA_DT: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    USE_PDL: tl.constexpr, PDL_WAIT_EARLY: tl.constexpr,
+    W_TMA: tl.constexpr,        # weight tiles through TMA (w_ptr is a descriptor with block [BLOCK_N, BLOCK_K])
+    FP8_ACC: tl.constexpr,      # W8A8: max_num_imprecise_acc for the FP8 wgmma (None = Triton's sm_90 default,
+                                # fast accumulation as CUTLASS's FastAccum; an int promotes every FP8_ACC k)
+):
+    # ---- tile coordinates: split index fastest, then grouped (token tiles, weight tiles) order
+    pid = tl.program_id(0)
+    pid_k = pid % SPLIT_K
+    tile = pid // SPLIT_K
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % group_size
+    pid_n = (tile % per_group) // group_size
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)            # output columns [BN]
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)            # tile positions [BM]
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    if EVEN_N:
+        n_ld = offs_n                                           # no mask: keeps loads unpredicated
+    else:
+        n_ld = tl.where(n_ok, offs_n, 0)
+    if GATHER:
+        rows = tl.load(perm_ptr + offs_m, mask=m_ok, other=0)   # token ids, adapter-sorted
+    else:
+        rows = tl.where(m_ok, offs_m, 0)
+    rows64 = rows.to(tl.int64)
+
+    if USE_PDL:
+        if PDL_WAIT_EARLY:
+            tl.extra.cuda.gdc_wait()                            # x_q / x_scale come from K1 (W8A8)
+
+    # ---- main loop over this split's K range (whole BLOCK_K chunks)
+    k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = tl.multiple_of(pid_k * k_per, BLOCK_K)              # alignment hint: full-width vector loads
+    k_hi = tl.minimum(K, k_lo + k_per)
+    if not W_TMA:
+        w_ptrs = w_ptr + n_ld.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :] * stride_wk  # [BN, BK]
+    x_ptrs = x_ptr + rows64[None, :] * stride_xm + (k_lo + offs_k)[:, None] * stride_xk            # [BK, BM]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if W_TMA:
+            w = w_ptr.load([pid_n * BLOCK_N, k])                  # out-of-range rows/cols read as 0
+        elif EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=((k + offs_k) < K)[None, :], other=0.0)
+        if EVEN_K:
+            xt = tl.load(x_ptrs)
+        else:
+            xt = tl.load(x_ptrs, mask=((k + offs_k) < K)[:, None], other=0.0)
+        if WIDEN_W:
+            if SCALE_W == 2:
+                # backward dx: the scale runs along the reduction; s_w·q is rounded to x's dtype here
+                sw_k = tl.load(sw_ptr + k + offs_k, mask=(k + offs_k) < K, other=0.0)
+                wv = (w.to(tl.float32) * sw_k[None, :]).to(xt.dtype)
+            else:
+                wv = w.to(xt.dtype)                               # exact: e4m3 codes fit bf16/fp16
+            acc = tl.dot(wv, xt, acc)
+        else:
+            acc = tl.dot(w, xt, acc, max_num_imprecise_acc=FP8_ACC)   # e4m3 x e4m3 wgmma
+        if not W_TMA:
+            w_ptrs += BLOCK_K * stride_wk
+        x_ptrs += BLOCK_K * stride_xk
+
+    # ---- split-K: the last program of the tile reduces the partials in split order
+    if SPLIT_K > 1:
+        Np = num_n * BLOCK_N
+        part_stride = num_m * BLOCK_M * Np
+        p_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * Np + offs_n[:, None]
+        tl.store(p_ptrs + pid_k * part_stride, acc)
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done != SPLIT_K - 1:
+            return
+        acc = tl.load(p_ptrs, cache_modifier=".cg")
+        for s in range(1, SPLIT_K):
+            acc += tl.load(p_ptrs + s * part_stride, cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+    # ---- epilogue: scales, LoRA (per slice, per slot), DoRA g, bias, one rounding
+    if SCALE_W == 1:
+        sw = tl.load(sw_ptr + n_ld)
+        if HAS_XS:
+            sx = tl.load(sx_ptr + rows64)
+            acc = acc * (sw[:, None] * sx[None, :])
+        else:
+            acc = acc * sw[:, None]
+    elif HAS_XS:
+        acc = acc * tl.load(sx_ptr + rows64)[None, :]
+
+    if USE_PDL:
+        if not PDL_WAIT_EARLY:
+            tl.extra.cuda.gdc_wait()                            # h comes from K1: wait only here
+
+    if HAS_LORA:
+        if ALL_SLOT0:
+            slots = tl.where(m_ok, 0, -1)
+        else:
+            slots = tl.load(slot_ptr + rows64, mask=m_ok, other=-1)          # [BM] slot per row
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < R
+        tile_lo = pid_n * BLOCK_N
+        for i in tl.static_range(N_SLICES):
+            if i == 0:
+                lo = 0
+                hi = end0
+                b_ptr = b0_ptr
+                stride_bs = stride_bs0
+            elif i == 1:
+                lo = end0
+                hi = end1
+                b_ptr = b1_ptr
+                stride_bs = stride_bs1
+            else:
+                lo = end1
+                hi = N
+                b_ptr = b2_ptr
+                stride_bs = stride_bs2
+            if (tile_lo < hi) & (tile_lo + BLOCK_N > lo):
+                col_ok = (offs_n >= lo) & (offs_n < hi)
+                col = tl.where(col_ok, offs_n - lo, 0).to(tl.int64)
+                cur = tl.min(tl.where(slots >= 0, slots, _BIG))
+                while cur < _BIG:
+                    sel = slots == cur
+                    hT = tl.load(h_ptr + i * stride_hl + rows64[None, :] * stride_hm + offs_r[:, None] * stride_hr,
+                                 mask=sel[None, :] & r_ok[:, None], other=0.0)                 # [BR, BM] fp32
+                    bt = tl.load(b_ptr + cur.to(tl.int64) * stride_bs + col[:, None] * stride_bn
+                                 + offs_r[None, :] * stride_br,
+                                 mask=col_ok[:, None] & r_ok[None, :], other=0.0)             # [BN, BR]
+                    if LORA_PREC == "bf16x2" or LORA_PREC == "bf16":
+                        b16 = bt.to(LORA_DT)
+                        h_hi = hT.to(LORA_DT)
+                        acc = tl.dot(b16, h_hi, acc)
+                        if LORA_PREC == "bf16x2":
+                            acc = tl.dot(b16, (hT - h_hi.to(tl.float32)).to(LORA_DT), acc)
+                    else:
+                        acc = tl.dot(bt.to(tl.float32), hT, acc, input_precision=LORA_PREC)
+                    if HAS_G:
+                        gv = tl.load(g_ptr + cur.to(tl.int64) * stride_gs + offs_n * stride_gn, mask=col_ok,
+                                     other=1.0)
+                        acc = tl.where(sel[None, :] & col_ok[:, None], acc * gv[:, None], acc)
+                    cur = tl.min(tl.where(slots > cur, slots, _BIG))
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n_ld).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + rows64[None, :] * stride_ym + offs_n[:, None] * stride_yn
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# host side
+def _b_slices(B) -> list[torch.Tensor]:
+    return list(B) if isinstance(B, (list, tuple)) else [B]
+
+
+def _lora_dt(b_dtype):
+    # the 16-bit type of the split-h MMAs: B's own type (exact), bf16 for fp32 B (tests)
+    return tl.float16 if b_dtype == torch.float16 else tl.bfloat16
+
+
+def _mode_of(x: torch.Tensor) -> str:
+    return "w8a8" if x.dtype == FP8_DTYPE else "w8a16"
+
+
+def _check(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype, w_scale_axis):
+    M, K = x.shape if x.dim() == 2 else (None, None)
+    check_tensor(OP, "x", x, ndim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE))
+    check_tensor(OP, "q", q, ndim=2, dtypes=(FP8_DTYPE,), device=x.device)
+    N = q.shape[0]
+    if q.shape[1] != K:
+        raise ValueError(f"rlfp8.kernels.{OP}: q {tuple(q.shape)} must be [N, K] with K = x.shape[1] = {K}")
+    n_scale = K if w_scale_axis == "reduction" else N
+    if w_scale is not None:
+        check_tensor(OP, "w_scale", w_scale, shape=(n_scale,), dtypes=(torch.float32,), device=x.device)
+    mode = _mode_of(x)
+    if mode == "w8a8":
+        if x_scale is None:
+            raise ValueError(f"rlfp8.kernels.{OP}: FP8 x {tuple(x.shape)} (W8A8) needs x_scale [{M}, 1]")
+        if x_scale.numel() != M or x_scale.dtype != torch.float32:
+            raise ValueError(f"rlfp8.kernels.{OP}: x_scale must be fp32 [{M}, 1], got {x_scale.dtype} "
+                             f"{tuple(x_scale.shape)}")
+    elif x_scale is not None:
+        raise ValueError(f"rlfp8.kernels.{OP}: x_scale is only for FP8 x (W8A8); x is {x.dtype}")
+    slices = None
+    if h is not None or B is not None:
+        if h is None or B is None:
+            raise ValueError(f"rlfp8.kernels.{OP}: the LoRA epilogue needs both h and B")
+        slices = [stacked_view(OP, f"B[{i}]", b, None) for i, b in enumerate(_b_slices(B))]
+        if not 1 <= len(slices) <= 3:
+            raise ValueError(f"rlfp8.kernels.{OP}: 1 to 3 B slices are supported, got {len(slices)}")
+        r = slices[0].shape[2]
+        check_tensor(OP, "h", h, shape=(len(slices), M, r), dtypes=(torch.float32,), device=x.device)
+        for i, b in enumerate(slices):
+            check_tensor(OP, f"B[{i}]", b, dtypes=(torch.bfloat16, torch.float16, torch.float32), device=x.device)
+            if b.shape[0] != slices[0].shape[0] or b.shape[2] != r:
+                raise ValueError(f"rlfp8.kernels.{OP}: B slices must share slots and rank: B[0] "
+                                 f"{tuple(slices[0].shape)}, B[{i}] {tuple(b.shape)}")
+        if sum(b.shape[1] for b in slices) != N:
+            raise ValueError(f"rlfp8.kernels.{OP}: B slice widths {[b.shape[1] for b in slices]} must sum to "
+                             f"N = q.shape[0] = {N}")
+        if meta is not None:
+            meta.validate(OP, M)
+            if meta.max_loras > slices[0].shape[0]:
+                raise ValueError(f"rlfp8.kernels.{OP}: metadata has {meta.max_loras} slots but B has "
+                                 f"{slices[0].shape[0]} (shape {tuple(slices[0].shape)})")
+    if g is not None:
+        S = slices[0].shape[0] if slices else None
+        check_tensor(OP, "g", g, shape=(S, N), dtypes=(torch.float32,), device=x.device)
+        if slices is None:
+            raise ValueError(f"rlfp8.kernels.{OP}: DoRA g needs the LoRA epilogue (h, B)")
+    if bias is not None:
+        check_tensor(OP, "bias", bias, shape=(N,), dtypes=(torch.bfloat16, torch.float16, torch.float32),
+                     device=x.device)
+    if out_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"rlfp8.kernels.{OP}: out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
+    return mode, slices
+
+
+def lora_gemm_ref(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAMeta | None = None, g=None,
+                  bias=None, out_dtype=None, w_scale_axis: str = "out", **_ignored) -> torch.Tensor:
+    """Plain torch, fp32: acc = x·qᵀ; scale; + h·B_slotᵀ per slice and slot; · g; + bias; one cast."""
+    mode, slices = _check(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype, w_scale_axis)
+    M, K = x.shape
+    N = q.shape[0]
+    out_dtype = out_dtype or (torch.bfloat16 if mode == "w8a8" else x.dtype)
+    qf = q.float()
+    if w_scale is not None and w_scale_axis == "reduction":
+        # dx path: s_w·q rounded to x.dtype (the kernel's rounding point), then an exact-operand GEMM
+        qf = (qf * w_scale[None, :]).to(x.dtype).float()
+    acc = x.float() @ qf.t()                                                       # [M, N]
+    if w_scale is not None and w_scale_axis == "out":
+        acc = acc * (w_scale[None, :] * x_scale.reshape(M, 1)) if mode == "w8a8" else acc * w_scale[None, :]
+    elif mode == "w8a8":
+        acc = acc * x_scale.reshape(M, 1)
+    if slices is not None:
+        slots = (torch.zeros(M, dtype=torch.long, device=x.device) if meta is None
+                 else meta.token_lora_mapping.long())
+        offs = [0]
+        for b in slices:
+            offs.append(offs[-1] + b.shape[1])
+        for s in torch.unique(slots).tolist():
+            if s < 0:
+                continue
+            rows = (slots == s).nonzero().squeeze(1)
+            for i, b in enumerate(slices):
+                acc[rows, offs[i]:offs[i + 1]] += h[i, rows] @ b[s].float().t()
+            if g is not None:
+                acc[rows] *= g[s][None, :]
+    if bias is not None:
+        acc = acc + bias.float()[None, :]
+    return acc.to(out_dtype)
+
+
+def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAMeta | None = None, g=None,
+                     bias=None, out_dtype=None, out=None, config: GemmConfig | None = None, gather=None,
+                     lora_precision: str = "bf16x2", use_pdl: bool = False,
+                     w_scale_axis: str = "out") -> torch.Tensor:
+    mode, slices = _check(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype, w_scale_axis)
+    if lora_precision not in LORA_PRECISIONS:
+        raise ValueError(f"rlfp8.kernels.{OP}: lora_precision {lora_precision!r}: allowed {LORA_PRECISIONS}")
+    if x.dtype == torch.float32:
+        raise TypeError(f"rlfp8.kernels.{OP}: the Triton kernel takes bf16/fp16 x (W8A16) or e4m3 x (W8A8), got "
+                        f"fp32 x {tuple(x.shape)}; use the torch backend")
+    require_triton_device(OP, x, q)
+    check_pdl(OP, use_pdl)
+    M, K = x.shape
+    N = q.shape[0]
+    dev = x.device
+    out_dtype = out_dtype or (torch.bfloat16 if mode == "w8a8" else x.dtype)
+    if out is None:
+        out = torch.empty((M, N), dtype=out_dtype, device=dev)
+    else:
+        check_tensor(OP, "out", out, shape=(M, N), dtypes=(out_dtype,), device=dev)
+    if M == 0 or N == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = config or gemm_config(mode, M, N, K, dev, transposed=w_scale_axis == "reduction")
+    if cfg.block_m < 16 or cfg.block_n < 16 or cfg.block_k < 16:
+        raise ValueError(f"rlfp8.kernels.{OP}: tile dims must be >= 16 (tl.dot), got {cfg}")
+    has_lora = slices is not None and not (meta is not None and meta.no_lora)
+    gather = (meta is not None and has_lora) if gather is None else (gather and meta is not None)
+    m_tiles, n_tiles = cdiv(M, cfg.block_m), cdiv(N, cfg.block_n)
+    if cfg.split_k > 1:
+        part = torch.empty((cfg.split_k, m_tiles * cfg.block_m, n_tiles * cfg.block_n), dtype=torch.float32,
+                           device=dev)
+        cnt = split_counters(OP, m_tiles * n_tiles, dev)
+    else:
+        part = cnt = out
+    dummy = out
+    if has_lora:
+        L = len(slices)
+        if any(b.stride()[1:] != slices[0].stride()[1:] for b in slices):
+            slices = [b.contiguous() for b in slices]
+        widths = [b.shape[1] for b in slices]
+        ends = [sum(widths[:i + 1]) for i in range(L)] + [N] * (3 - L)
+        b_ptrs = slices + [slices[0]] * (3 - L)
+        r = slices[0].shape[2]
+        bst = [b.stride(0) for b in b_ptrs] + list(slices[0].stride()[1:])
+        hst = h.stride()
+    else:
+        L, ends, b_ptrs, r, bst, hst = 1, [N, N, N], [dummy] * 3, 0, (0, 0, 0, 0, 0), (0, 0, 0)
+    slot_t = meta.token_lora_mapping if (has_lora and meta is not None) else dummy
+    perm_t = meta.token_indices_sorted_by_lora_ids if gather else dummy
+    scale_w = 0 if w_scale is None else (2 if w_scale_axis == "reduction" else 1)
+    w_arg, w_tma = q, False
+    if cfg.w_tma:
+        # TMA needs a K-contiguous weight with 16-byte aligned base and rows (true for the stored codes;
+        # the backward's transposed view qᵀ never asks for it)
+        if q.stride(1) != 1 or q.stride(0) % 16 or q.data_ptr() % 16:
+            raise ValueError(f"rlfp8.kernels.{OP}: config w_tma needs a row-major q with 16-byte aligned rows, "
+                             f"got q {tuple(q.shape)} strides {q.stride()}")
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        w_arg, w_tma = TensorDescriptor.from_tensor(q, [cfg.block_n, cfg.block_k]), True
+    launch(_lora_gemm_kernel, (m_tiles * n_tiles * cfg.split_k,),
+           w_arg, x, out, w_scale if w_scale is not None else dummy, x_scale if x_scale is not None else dummy,
+           h if has_lora else dummy, *b_ptrs, slot_t, perm_t, g if g is not None else dummy,
+           bias if bias is not None else dummy, part, cnt,
+           M, N, K, r, ends[0], ends[1],
+           q.stride(0), q.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+           hst[0], hst[1], hst[2], *bst,
+           g.stride(0) if g is not None else 0, g.stride(1) if g is not None else 0,
+           BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+           GROUP_M=cfg.group_m, WIDEN_W=mode == "w8a16", SCALE_W=scale_w, HAS_XS=mode == "w8a8",
+           HAS_LORA=has_lora, N_SLICES=L, BLOCK_R=max(16, next_pow2(r)), ALL_SLOT0=meta is None,
+           GATHER=bool(gather), HAS_G=g is not None and has_lora, HAS_BIAS=bias is not None,
+           LORA_PREC=lora_precision, LORA_DT=_lora_dt(slices[0].dtype if has_lora else None),
+           EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,
+           USE_PDL=use_pdl, PDL_WAIT_EARLY=mode == "w8a8", W_TMA=w_tma,
+           FP8_ACC=None if FP8_PRECISE_ACC is None else min(FP8_PRECISE_ACC, cfg.block_k),
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
+    return out
+
+
+def lora_gemm(x, q, w_scale, **kw) -> torch.Tensor:
+    """K2 (see the module docstring). Dispatches Triton (CUDA / interpreter) or the torch reference."""
+    if dispatch.choose(OP, x, q) == "triton":
+        return lora_gemm_triton(x, q, w_scale, **kw)
+    for k in ("out", "config", "gather", "lora_precision", "use_pdl"):
+        kw.pop(k, None)
+    return lora_gemm_ref(x, q, w_scale, **kw)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the engine's projection: K1 then K2
+def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=None, B=None,
+                    meta: LoRAMeta | None = None, *, mode: str = "w8a16", rounding: str = "div", g=None,
+                    bias=None, out_dtype=None, shrink_out: torch.Tensor | None = None) -> torch.Tensor:
+    """One projection of the engine (or, with meta=None and one adapter, of the trainer's forward):
+    x [T, K] bf16; q [N, K] e4m3 + w_scale [N]; A, B stacked slots (one tensor or per-slice tuples, vLLM
+    layouts accepted; None = base only); meta from build_lora_meta / LoRAMeta.from_vllm (None = slot 0 for
+    every token). mode "w8a16" (x stays 16-bit) or "w8a8" (x quantized per token with `rounding`).
+    shrink_out: a preallocated h buffer [L, T, r] fp32 (vLLM's); by default an uninitialised one, since K2
+    never reads the rows of tokens without adapter (no memset launch)."""
+    if mode not in ("w8a16", "w8a8"):
+        raise ValueError(f"rlfp8.kernels.fp8_lora_linear: mode {mode!r}: allowed 'w8a16', 'w8a8'")
+    if (A is None) != (B is None):
+        raise ValueError("rlfp8.kernels.fp8_lora_linear: pass both A and B, or neither")
+    quant = rounding if mode == "w8a8" else None
+    if quant is not None and quant not in ACT_ROUNDING:
+        raise ValueError(f"rlfp8.kernels.fp8_lora_linear: rounding {rounding!r}: allowed {ACT_ROUNDING}")
+    h = None
+    x_in, x_scale = x, None
+    if A is not None:
+        if shrink_out is None:
+            L = len(A) if isinstance(A, (list, tuple)) else 1
+            r = (A[0] if isinstance(A, (list, tuple)) else A).shape[-2]
+            shrink_out = torch.empty((L, x.shape[0], r), dtype=torch.float32, device=x.device)
+        so: ShrinkOut = lora_shrink(x, A, meta, quant=quant, out=shrink_out)
+        h = so.h
+        if quant is not None:
+            x_in, x_scale = so.x_q, so.x_scale
+    elif quant is not None:
+        x_in, x_scale = quantize_activation(x, quant)
+    return lora_gemm(x_in, q, w_scale, x_scale=x_scale, h=h, B=B, meta=meta, g=g, bias=bias,
+                     out_dtype=out_dtype or (x.dtype if x.dtype != torch.float32 else torch.bfloat16))

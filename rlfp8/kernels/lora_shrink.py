@@ -1,0 +1,278 @@
+"""K1: the multi-adapter LoRA down-projection h = x·Aᵀ (fp32), fused with the per-token FP8 activation
+quantization of the W8A8 mode, over vLLM-style adapter-sorted segments.
+
+Shapes (T tokens, K input features, S slots, r rank, L slices: 3 for qkv, 2 for gate_up, else 1):
+  x [T, K] bf16/fp16;  A: one tensor or a tuple of L tensors [S, r, K] (or vLLM's [S, 1, r, K]) in x.dtype;
+  h [L, T, r] fp32 (vLLM's shrink buffer layout): h[l, t] = x[t] · A_l[slot(t)]ᵀ, fp32 accumulation of
+  exact bf16 products; rows of tokens without adapter (slot -1) are not written;
+  quant "div"|"recip" (W8A8): also x_q [T, K] float8_e4m3fn and x_scale [T, 1] fp32, bit-equal to
+  fp8.quantize_activation_ref (same row helpers as rlfp8.kernels.fp8_triton).
+
+Triton kernel: grid (SPLIT_K · ⌈T/BLOCK_M⌉, L [+1 quant column], segments). A program takes BLOCK_M rows of
+one adapter segment (rows gathered through token_indices_sorted_by_lora_ids, so one A is read per program)
+and a 1/SPLIT_K share of K. With SPLIT_K > 1 every program writes its fp32 partial to a workspace and the
+last one of its tile (atomic counter, reset afterwards) sums the partials in split order: deterministic, so
+the engine's call and the trainer's forward produce the same h bit for bit. The quant column's programs
+(pid_sk = 0 only) quantize the rows of their segment tile, the -1 segment included.
+`meta=None` means every token uses slot 0 (the trainer's one-adapter call): no metadata, same arithmetic.
+
+Config (BLOCK_M, BLOCK_K, SPLIT_K) depends on (T, K, r) only (SPLIT_K on (T, K)), never on the adapter
+count or the slices, so a row's h does not depend on which other adapters share the batch or on the rank
+padding of the engine's slots.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import dispatch
+from ._triton_utils import (cdiv, check_pdl, check_tensor, launch, next_pow2, require_triton_device,
+                            split_counters, stacked_view)
+from .fp8 import ACT_ROUNDING, FP8_DTYPE, quantize_activation_ref
+from .fp8_triton import ROUNDING_CODE, _quant_rows_tile, quantize_rows_triton
+from .metadata import LoRAMeta
+
+OP = "lora_shrink"
+
+
+@dataclass
+class ShrinkOut:
+    h: torch.Tensor                       # [L, T, r] fp32
+    x_q: torch.Tensor | None = None       # [T, K] float8_e4m3fn (W8A8)
+    x_scale: torch.Tensor | None = None   # [T, 1] fp32 (W8A8)
+
+
+@dataclass(frozen=True)
+class ShrinkConfig:
+    block_m: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def shrink_config(M: int, K: int, r: int) -> ShrinkConfig:
+    """Heuristic per token bucket. Small T: few rows, long K slices streamed by many programs (split-K);
+    large T: 64-row tiles, no split (enough programs already)."""
+    br = max(16, next_pow2(r))
+    bm = 16 if M <= 16 else 32 if M <= 32 else 64
+    if M <= 64:
+        bk = 256 if br <= 64 else 128
+    else:
+        bk = 64
+    m_tiles = cdiv(M, bm)
+    # the split must not depend on r: the engine's slots are padded to max_lora_rank, the trainer's adapter
+    # is not, and the same split (= same summation order) keeps their h bit-identical
+    split = max(1, min(K // 512, cdiv(128, m_tiles), 16))
+    return ShrinkConfig(bm, bk, split, num_warps=4, num_stages=3 if bk * br <= 16384 else 2)
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, h_ptr, xq_ptr, xs_ptr, ws_ptr, cnt_ptr,
+    sorted_ptr, ntok_ptr, start_ptr, ids_ptr,
+    M, K, R, m_tiles,
+    stride_xm, stride_xk,
+    stride_as, stride_ar, stride_ak,          # A slices share strides: [S, r, K]
+    stride_hl, stride_hm, stride_hr,          # h [L, T, r]
+    stride_qm, stride_qk, stride_xs,          # x_q [T, K], x_scale [T]
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    N_SLICES: tl.constexpr, ALL_SLOT0: tl.constexpr, QUANT: tl.constexpr, QBLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid0 = tl.program_id(0)
+    slice_id = tl.program_id(1)
+    seg = tl.program_id(2)
+    pid_sk = pid0 % SPLIT_K
+    pid_m = pid0 // SPLIT_K
+    if USE_PDL:
+        # Let the dependent K2 launch start its main loop now; it waits (gdc_wait) before reading h.
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_m = tl.arange(0, BLOCK_M)
+    m0 = pid_m * BLOCK_M
+    if ALL_SLOT0:
+        lora_id = seg * 0                      # slot 0 (an int32 tensor, like the loaded id)
+        n_seg = M
+        row_ok = m0 + offs_m < n_seg
+        rows = tl.where(row_ok, m0 + offs_m, 0)
+    else:
+        lora_id = tl.load(ids_ptr + seg)
+        n_seg = tl.load(ntok_ptr + seg)
+        seg_start = tl.load(start_ptr + seg)
+        row_ok = m0 + offs_m < n_seg
+        rows = tl.load(sorted_ptr + seg_start + m0 + offs_m, mask=row_ok, other=0)   # token ids [BM]
+    if m0 < n_seg:
+        if slice_id == N_SLICES:
+            # quantization column (only launched when QUANT != 0): full rows, once per tile.
+            if pid_sk == 0:
+                _quant_rows_tile(x_ptr, xq_ptr, xs_ptr, rows, row_ok, K, stride_xm, stride_xk, stride_qm,
+                                 stride_qk, stride_xs, BLOCK_M, QBLOCK_K, QUANT)
+        elif lora_id >= 0:
+            a_ptr = a0_ptr
+            if N_SLICES > 1:
+                if slice_id == 1:
+                    a_ptr = a1_ptr
+            if N_SLICES > 2:
+                if slice_id == 2:
+                    a_ptr = a2_ptr
+            # This program's K range: whole BLOCK_K chunks, SPLIT_K contiguous shares.
+            k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+            k_lo = tl.multiple_of(pid_sk * k_per, BLOCK_K)
+            k_hi = tl.minimum(K, k_lo + k_per)
+            offs_r = tl.arange(0, BLOCK_R)
+            offs_k = tl.arange(0, BLOCK_K)
+            r_ok = offs_r < R
+            rows64 = rows.to(tl.int64)
+            x_ptrs = x_ptr + rows64[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk     # [BM, BK]
+            a_ptrs = (a_ptr + lora_id.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar
+                      + (k_lo + offs_k)[None, :] * stride_ak)                                      # [BR, BK]
+            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for k in range(k_lo, k_hi, BLOCK_K):
+                if EVEN_K:
+                    xt = tl.load(x_ptrs)
+                    at = tl.load(a_ptrs, mask=r_ok[:, None], other=0.0)
+                else:
+                    k_ok = (k + offs_k) < K
+                    xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+                    at = tl.load(a_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+                acc = tl.dot(xt, tl.trans(at), acc)                                                # [BM, BR]
+                x_ptrs += BLOCK_K * stride_xk
+                a_ptrs += BLOCK_K * stride_ak
+            h_ptrs = h_ptr + slice_id * stride_hl + rows64[:, None] * stride_hm + offs_r[None, :] * stride_hr
+            h_mask = row_ok[:, None] & r_ok[None, :]
+            if SPLIT_K == 1:
+                tl.store(h_ptrs, acc, mask=h_mask)
+            else:
+                # workspace [SPLIT_K, L, T, BLOCK_R] fp32, indexed by token row (each row is in one tile).
+                ws_row = ws_ptr + (slice_id * M + rows64)[:, None] * BLOCK_R + offs_r[None, :]
+                part_stride = N_SLICES * M * BLOCK_R
+                tl.store(ws_row + pid_sk * part_stride, acc, mask=row_ok[:, None])
+                tl.debug_barrier()
+                tile_id = (seg * N_SLICES + slice_id) * m_tiles + pid_m
+                done = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+                if done == SPLIT_K - 1:
+                    # Last program of this tile: sum the partials in split order (deterministic).
+                    acc = tl.load(ws_row, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+                    for s in range(1, SPLIT_K):
+                        acc += tl.load(ws_row + s * part_stride, mask=row_ok[:, None], other=0.0,
+                                       cache_modifier=".cg")
+                    tl.store(h_ptrs, acc, mask=h_mask)
+                    tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+
+
+def _slices(A) -> list[torch.Tensor]:
+    return list(A) if isinstance(A, (list, tuple)) else [A]
+
+
+def _check(x, A_list, meta, quant, out):
+    check_tensor(OP, "x", x, ndim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))
+    M, K = x.shape
+    if not 1 <= len(A_list) <= 3:
+        raise ValueError(f"rlfp8.kernels.{OP}: 1 to 3 A slices are supported, got {len(A_list)}")
+    A3 = [stacked_view(OP, f"A[{i}]", a, K) for i, a in enumerate(A_list)]
+    for i, a in enumerate(A3):
+        check_tensor(OP, f"A[{i}]", a, dtypes=(x.dtype,), device=x.device)
+        if a.shape != A3[0].shape:
+            raise ValueError(f"rlfp8.kernels.{OP}: every A slice must have the shape of A[0] "
+                             f"{tuple(A3[0].shape)}, A[{i}] has {tuple(a.shape)}")
+    if quant is not None and quant not in ACT_ROUNDING:
+        raise ValueError(f"rlfp8.kernels.{OP}: quant {quant!r}: allowed values are None, {ACT_ROUNDING}")
+    if meta is not None:
+        meta.validate(OP, M)
+        if meta.max_loras > A3[0].shape[0]:
+            raise ValueError(f"rlfp8.kernels.{OP}: metadata has {meta.max_loras} slots but A has "
+                             f"{A3[0].shape[0]} (shape {tuple(A3[0].shape)})")
+    r = A3[0].shape[1]
+    if out is not None:
+        check_tensor(OP, "out", out, shape=(len(A3), M, r), dtypes=(torch.float32,), device=x.device)
+    return A3
+
+
+def lora_shrink_ref(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: str | None = None,
+                    out: torch.Tensor | None = None) -> ShrinkOut:
+    """Plain torch: h[l, rows of slot s] = x[rows] @ A_l[s]ᵀ in fp32; other rows of `out` untouched."""
+    A3 = _check(x, _slices(A), meta, quant, out)
+    M, K = x.shape
+    r = A3[0].shape[1]
+    h = out if out is not None else torch.zeros((len(A3), M, r), dtype=torch.float32, device=x.device)
+    slots = torch.zeros(M, dtype=torch.long, device=x.device) if meta is None else meta.token_lora_mapping.long()
+    xf = x.float()
+    for s in torch.unique(slots).tolist():
+        if s < 0:
+            continue
+        rows = (slots == s).nonzero().squeeze(1)
+        for l, a in enumerate(A3):
+            h[l, rows] = xf[rows] @ a[s].float().t()
+    xq = xs = None
+    if quant is not None:
+        xq, xs = quantize_activation_ref(x, quant)
+    return ShrinkOut(h, xq, xs)
+
+
+def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: str | None = None,
+                       out: torch.Tensor | None = None, config: ShrinkConfig | None = None,
+                       use_pdl: bool = False) -> ShrinkOut:
+    A3 = _check(x, _slices(A), meta, quant, out)
+    if x.dtype == torch.float32:
+        raise TypeError(f"rlfp8.kernels.{OP}: the Triton kernel takes bf16/fp16 x (16-bit MMA), got fp32 "
+                        f"x {tuple(x.shape)}; use the torch backend")
+    require_triton_device(OP, x)
+    check_pdl(OP, use_pdl)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    S, r, _ = A3[0].shape
+    L = len(A3)
+    if any(a.stride() != A3[0].stride() for a in A3):
+        A3 = [a.contiguous() for a in A3]
+    a_st = A3[0].stride()
+    dev = x.device
+    h = out if out is not None else torch.zeros((L, M, r), dtype=torch.float32, device=dev)
+    xq = torch.empty((M, K), dtype=FP8_DTYPE, device=dev) if quant else None
+    xs = torch.empty((M, 1), dtype=torch.float32, device=dev) if quant else None
+    if M == 0:
+        return ShrinkOut(h, xq, xs)
+    if meta is not None and meta.no_lora:
+        # as vLLM: no shrink when no token has an adapter (the segment arrays are empty then); W8A8 still
+        # needs x_q, from the stand-alone kernel (same row helpers, same bits)
+        if quant is not None:
+            xq, s = quantize_rows_triton(x, quant, OP)
+            xs = s[:, None]
+        return ShrinkOut(h, xq, xs)
+    cfg = config or shrink_config(M, K, r)
+    br = max(16, next_pow2(r))
+    m_tiles = cdiv(M, cfg.block_m)
+    n_seg = 1 if meta is None else max(meta.num_active, 1)
+    ws = torch.empty((cfg.split_k, L, M, br), dtype=torch.float32, device=dev) if cfg.split_k > 1 else h
+    cnt = split_counters(OP, n_seg * L * m_tiles, dev) if cfg.split_k > 1 else h
+    if meta is None:
+        md = (h, h, h, h)                     # unused (ALL_SLOT0)
+    else:
+        md = (meta.token_indices_sorted_by_lora_ids, meta.num_tokens_per_lora, meta.lora_token_start_loc,
+              meta.active_lora_ids)
+    a_ptrs = A3 + [A3[0]] * (3 - L)
+    qbk = max(16, min(next_pow2(K), 8192 // cfg.block_m))
+    grid = (cfg.split_k * m_tiles, L + (1 if quant else 0), n_seg)
+    launch(_lora_shrink_kernel, grid,
+           x, *a_ptrs, h, xq if quant else h, xs if quant else h, ws, cnt, *md,
+           M, K, r, m_tiles,
+           x.stride(0), x.stride(1), a_st[0], a_st[1], a_st[2],
+           h.stride(0), h.stride(1), h.stride(2),
+           xq.stride(0) if quant else 0, xq.stride(1) if quant else 0, xs.stride(0) if quant else 0,
+           BLOCK_M=cfg.block_m, BLOCK_R=br, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, N_SLICES=L,
+           ALL_SLOT0=meta is None, QUANT=ROUNDING_CODE[quant] if quant else 0, QBLOCK_K=qbk,
+           EVEN_K=K % cfg.block_k == 0, USE_PDL=use_pdl,
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
+    return ShrinkOut(h, xq, xs)
+
+
+def lora_shrink(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: str | None = None,
+                out: torch.Tensor | None = None, config: ShrinkConfig | None = None,
+                use_pdl: bool = False) -> ShrinkOut:
+    """K1 (see the module docstring). Dispatches Triton (CUDA / interpreter) or the torch reference."""
+    if dispatch.choose(OP, x) == "triton":
+        return lora_shrink_triton(x, A, meta, quant, out, config, use_pdl)
+    return lora_shrink_ref(x, A, meta, quant, out)

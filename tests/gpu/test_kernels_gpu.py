@@ -1,0 +1,328 @@
+"""GPU tier for rlfp8.kernels (marked gpu; skipped without CUDA). Qwen3-8B projection shapes, tokens
+M in {1, 7, 16, 33, 128, 1000, 4096}, ranks 16/64/128, 1/4/32 adapters with some tokens without adapter,
+both engine modes: kernels against fp64 math; quantization bit-equal to the references and to vLLM's
+dynamic_per_token_scaled_fp8_quant; the matched property (engine W8A16 call and trainer forward
+bit-identical on the same rows); the training linear's forward and backward against LoRALinearRef.
+
+All kernels the cases need are compiled up front in parallel (rlfp8.kernels._triton_utils.precompile), so
+the module runs in about a minute or two on an H200:
+    python -m pytest tests/gpu/test_kernels_gpu.py -m gpu -v -s
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from rlfp8.kernels import _triton_utils as tu
+from rlfp8.kernels import dispatch, fp8
+from rlfp8.kernels.fp8_triton import quantize_activation_triton, quantize_weight_triton
+from rlfp8.kernels.linear import LoRALinearRef
+from rlfp8.kernels.linear_triton import lora_linear_triton
+from rlfp8.kernels.lora_gemm import fp8_lora_linear, gemm_config, lora_gemm_ref, lora_gemm_triton
+from rlfp8.kernels.lora_shrink import lora_shrink_triton
+from rlfp8.kernels.metadata import build_lora_meta
+from tests.conftest import rel_err
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (12288, 12288)),
+          "down": (12288, (4096,))}
+# (shape, M, rank, adapters, mode): every shape, M, rank, adapter count and mode at least once
+CASES = [
+    ("qkv", 1, 64, 1, "w8a16"), ("qkv", 7, 16, 4, "w8a8"), ("qkv", 33, 128, 32, "w8a16"),
+    ("qkv", 1000, 64, 4, "w8a8"), ("qkv", 4096, 16, 1, "w8a16"), ("qkv", 128, 64, 32, "w8a8"),
+    ("o", 16, 64, 32, "w8a8"), ("o", 128, 16, 1, "w8a16"), ("o", 4096, 128, 4, "w8a8"), ("o", 1, 128, 4, "w8a16"),
+    ("gate_up", 7, 128, 1, "w8a16"), ("gate_up", 128, 64, 32, "w8a8"), ("gate_up", 1000, 16, 4, "w8a16"),
+    ("gate_up", 33, 64, 4, "w8a8"), ("gate_up", 16, 16, 1, "w8a16"),
+    ("down", 1, 16, 32, "w8a8"), ("down", 16, 128, 4, "w8a16"), ("down", 33, 64, 1, "w8a8"),
+    ("down", 4096, 64, 32, "w8a16"), ("down", 128, 128, 1, "w8a8"), ("down", 1000, 64, 1, "w8a16"),
+]
+MATCHED = [("qkv", 16), ("o", 128), ("gate_up", 33), ("down", 1000), ("o", 4096)]
+TRAIN = [("qkv", 1024), ("o", 1024), ("gate_up", 1024), ("down", 1024)]
+DEV = "cuda"
+
+
+def _weights(shape, seed=0):
+    K, widths = SHAPES[shape]
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    w = torch.randn(sum(widths), K, device=DEV, generator=g, dtype=torch.bfloat16) * 0.02
+    q, sw = fp8.quantize_weight_ref(w)
+    return K, widths, q, sw
+
+
+def _adapters(K, widths, S, r, seed=1):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    A = [torch.randn(S, r, K, device=DEV, generator=g).mul_(0.02).to(torch.bfloat16) for _ in widths]
+    B = [torch.randn(S, n, r, device=DEV, generator=g).mul_(0.05).to(torch.bfloat16) for n in widths]
+    return A, B
+
+
+def _slots(M, S, seed=2):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    slots = torch.randint(0, S, (M,), device=DEV, generator=g)
+    slots[torch.rand(M, device=DEV, generator=g) < 0.2] = -1            # some tokens carry no adapter
+    if M > 1:
+        slots[0] = -1
+    return slots
+
+
+def _case_inputs(shape, M, r, S):
+    K, widths, q, sw = _weights(shape)
+    A, B = _adapters(K, widths, S, r)
+    slots = _slots(M, S)
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    N = sum(widths)
+    bias = torch.randn(N, device=DEV, dtype=torch.bfloat16) * 0.1
+    return x, q, sw, A, B, slots, build_lora_meta(slots, S), bias
+
+
+def _reference(x, q, sw, A, B, slots, bias, mode):
+    """fp64 reference: (s_x·)s_w·(x·qᵀ) + h·B_slotᵀ + bias, h = x·A_slotᵀ (h from 16-bit x)."""
+    if mode == "w8a8":
+        xq, xs = fp8.quantize_activation_ref(x)
+        acc = (xq.double() @ q.double().t()) * (sw.double()[None, :] * xs.double())
+    else:
+        acc = (x.double() @ q.double().t()) * sw.double()[None, :]
+    offs = [0]
+    for b in B:
+        offs.append(offs[-1] + b.shape[1])
+    h = torch.zeros(len(A), x.shape[0], A[0].shape[1], dtype=torch.float64, device=DEV)
+    for s in torch.unique(slots).tolist():
+        if s < 0:
+            continue
+        rows = (slots == s).nonzero().squeeze(1)
+        for i, (a, b) in enumerate(zip(A, B)):
+            h[i, rows] = x[rows].double() @ a[s].double().t()
+            acc[rows, offs[i]:offs[i + 1]] += h[i, rows] @ b[s].double().t()
+    return acc + bias.double()[None, :], h
+
+
+def _run_case(shape, M, r, S, mode):
+    x, q, sw, A, B, slots, meta, bias = _case_inputs(shape, M, r, S)
+    y = fp8_lora_linear(x, q, sw, A, B, meta, mode=mode, bias=bias)
+    y32 = fp8_lora_linear(x, q, sw, A, B, meta, mode=mode, bias=bias, out_dtype=torch.float32)
+    h = lora_shrink_triton(x, A, meta).h
+    return (x, q, sw, A, B, slots, meta, bias), y, y32, h
+
+
+def _train_inputs(shape, M, r=64):
+    K, widths, q, sw = _weights(shape, seed=5)
+    N = sum(widths)
+    g = torch.Generator(device=DEV).manual_seed(6)
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_()
+    A = (torch.randn(r, K, device=DEV, generator=g) * 0.02).requires_grad_()
+    B = (torch.randn(N, r, device=DEV, generator=g) * 0.02).requires_grad_()
+    return x, q, sw, A, B
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm():
+    """Capture every launch the cases make, compile them in parallel, then run the tests against the cache."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dispatch.set_backend("triton")
+    with tu.collect_launches() as rec, torch.no_grad():
+        for shape, M, r, S, mode in CASES:
+            _run_case(shape, M, r, S, mode)
+        for shape, M, r, S, mode in TMA_CASES:
+            test_tma_weight_loads(shape, M, r, S, mode)
+        for shape, M in [("qkv", 128), ("down", 16)]:
+            test_dora_g(shape, M)
+        for shape, M in MATCHED:
+            _matched_outputs(shape, M)
+        for shape, M in TRAIN:
+            x, q, sw, A, B = _train_inputs(shape, M)
+            lora_linear_triton(x.detach(), q, sw, A.detach(), B.detach(), 2.0)
+            N = q.shape[0]
+            lora_gemm_triton(torch.empty(M, N, device=DEV, dtype=torch.bfloat16), q.t(), sw,
+                             w_scale_axis="reduction", h=torch.empty(1, M, 64, device=DEV),
+                             B=A.detach().to(torch.bfloat16).t()[None], out_dtype=torch.bfloat16)
+    info = tu.precompile(rec, jobs=min(16, os.cpu_count() or 4))
+    print(f"\n[precompile] {info['kernels']} kernels in {info['seconds']} s, errors: {info['errors']}")
+    yield
+    dispatch.set_backend("auto")
+    print("\n[dispatch report]", dispatch.report())
+
+
+# ---------------------------------------------------------------------------------------------- quantization
+@pytest.mark.parametrize("M,K", [(1, 4096), (7, 4096), (1000, 12288), (4096, 4096)])
+@pytest.mark.parametrize("rounding", ["div", "recip"])
+def test_activation_quant_bit_exact(M, K, rounding):
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    x = x * torch.logspace(-3, 2, M, device=DEV)[:, None].to(torch.bfloat16)
+    x[0, :7] = 0
+    q, s = quantize_activation_triton(x, rounding)
+    qr, sr = fp8.quantize_activation_ref(x, rounding)
+    assert torch.equal(s, sr) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+
+
+def test_weight_quant_bit_exact():
+    w = torch.randn(6144, 4096, device=DEV, dtype=torch.bfloat16) * 0.02
+    w[5, 3] = 40.0
+    q, s = quantize_weight_triton(w)
+    qr, sr = fp8.quantize_weight_ref(w)
+    assert torch.equal(s, sr) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+
+
+def test_activation_quant_equals_vllm_op():
+    try:
+        import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+        op = torch.ops._C.dynamic_per_token_scaled_fp8_quant
+    except Exception as e:  # vLLM GPU build missing or broken here
+        pytest.skip(f"vLLM's CUDA ops are not importable ({type(e).__name__}: {e}); cannot compare bit for bit")
+    for M, K in [(1, 4096), (33, 4096), (1000, 12288), (4096, 4096)]:
+        x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16) * 3
+        out = torch.empty(M, K, device=DEV, dtype=torch.float8_e4m3fn)
+        scale = torch.empty(M, 1, device=DEV, dtype=torch.float32)
+        op(out, x, scale, None)
+        q, s = quantize_activation_triton(x, "div")
+        assert torch.equal(s, scale), (M, K)
+        same = torch.equal(q.view(torch.uint8), out.view(torch.uint8))
+        if not same:
+            qr, _ = quantize_activation_triton(x, "recip")
+            n_div = int((q.view(torch.uint8) != out.view(torch.uint8)).sum())
+            n_rec = int((qr.view(torch.uint8) != out.view(torch.uint8)).sum())
+            pytest.fail(f"M={M} K={K}: {n_div} codes differ from vLLM's op with rounding='div', {n_rec} with "
+                        "'recip' (DESIGN says vLLM's CUDA op divides)")
+
+
+# ------------------------------------------------------------------------------------------------ projections
+@pytest.mark.parametrize("shape,M,r,S,mode", CASES, ids=[f"{c[0]}-M{c[1]}-r{c[2]}-S{c[3]}-{c[4]}" for c in CASES])
+def test_projection_vs_fp64(shape, M, r, S, mode):
+    (x, q, sw, A, B, slots, meta, bias), y, y32, h = _run_case(shape, M, r, S, mode)
+    ref, h64 = _reference(x, q, sw, A, B, slots, bias, mode)
+    e16, e32 = rel_err(y, ref), rel_err(y32, ref)
+    has = slots >= 0
+    eh = rel_err(h[:, has], h64[:, has]) if has.any() else 0.0
+    cfg = gemm_config(mode, M, q.shape[0], q.shape[1], DEV)
+    print(f"  {shape} M={M} r={r} S={S} {mode}: bf16-out {e16:.2e}  fp32-out {e32:.2e}  h {eh:.2e}  cfg {cfg}")
+    assert y.dtype == torch.bfloat16 and e16 < 1e-2
+    # fp32 output: only accumulation error is left. W8A8 uses Hopper's fast FP8 accumulation (like vLLM's
+    # CUTLASS FastAccum kernels, ~14-bit partial sums), so it only gets the bf16 bound.
+    assert e32 < (1e-2 if mode == "w8a8" else 1e-4)
+    assert eh < 1e-4
+    if mode == "w8a8":                                       # K1's fused quantization is bit-exact
+        so = lora_shrink_triton(x, A, meta, quant="div")
+        qr, sr = fp8.quantize_activation_ref(x)
+        assert torch.equal(so.x_q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(so.x_scale, sr)
+
+
+TMA_CASES = [("qkv", 33, 64, 4, "w8a16"), ("gate_up", 1000, 64, 1, "w8a8"), ("down", 7, 16, 4, "w8a16"),
+             ("o", 2048, 64, 32, "w8a8")]
+
+
+@pytest.mark.parametrize("shape,M,r,S,mode", TMA_CASES, ids=[f"{c[0]}-M{c[1]}-{c[4]}" for c in TMA_CASES])
+def test_tma_weight_loads(shape, M, r, S, mode):
+    """The w_tma tuning option (weight tiles via a TMA descriptor) against fp64 and the cp.async config."""
+    x, q, sw, A, B, slots, meta, bias = _case_inputs(shape, M, r, S)
+    cfg = gemm_config(mode, M, q.shape[0], q.shape[1], DEV)
+    xin, xs = (x, None) if mode == "w8a16" else fp8.quantize_activation_ref(x)
+    h = lora_shrink_triton(x, A, meta).h
+    kw = dict(x_scale=xs, h=h, B=B, meta=meta, bias=bias)
+    y_tma = lora_gemm_triton(xin, q, sw, config=dataclasses.replace(cfg, w_tma=True), **kw)
+    y_ptr = lora_gemm_triton(xin, q, sw, config=dataclasses.replace(cfg, w_tma=False), **kw)
+    if tu._collector is not None:          # the warm-up only collects the launches
+        return
+    ref, _ = _reference(x, q, sw, A, B, slots, bias, mode)
+    print(f"  {shape} M={M} {mode}: tma {rel_err(y_tma, ref):.2e}, cp.async {rel_err(y_ptr, ref):.2e}, "
+          f"bit-identical {torch.equal(y_tma, y_ptr)}")
+    assert rel_err(y_tma, ref) < 1e-2
+
+
+@pytest.mark.parametrize("shape,M", [("qkv", 128), ("down", 16)])
+def test_dora_g(shape, M):
+    """Per-slot, per-column DoRA scale g [S, N] in the epilogue (rows without adapter get no g)."""
+    x, q, sw, A, B, slots, meta, bias = _case_inputs(shape, M, 64, 4)
+    g = torch.rand(4, q.shape[0], device=DEV) + 0.5
+    h = lora_shrink_triton(x, A, meta).h
+    y = lora_gemm_triton(x, q, sw, h=h, B=B, meta=meta, g=g, bias=bias)
+    if tu._collector is not None:
+        return
+    ref = lora_gemm_ref(x, q, sw, h=h, B=B, meta=meta, g=g, bias=bias, out_dtype=torch.float32)
+    assert rel_err(y, ref) < 1e-2
+
+
+def test_split_k_and_pdl_are_deterministic():
+    x, q, sw, A, B, slots, meta, bias = _case_inputs("o", 16, 64, 4)
+    assert gemm_config("w8a16", 16, q.shape[0], q.shape[1], DEV).split_k > 1
+    y1 = fp8_lora_linear(x, q, sw, A, B, meta, bias=bias)
+    y2 = fp8_lora_linear(x, q, sw, A, B, meta, bias=bias)
+    h = lora_shrink_triton(x, A, meta, use_pdl=True).h
+    y3 = lora_gemm_triton(x, q, sw, h=h, B=B, meta=meta, bias=bias, use_pdl=True)
+    torch.cuda.synchronize()
+    assert torch.equal(y1, y2) and torch.equal(y1, y3)
+
+
+# ------------------------------------------------------------------------------------------ matched property
+def _matched_outputs(shape, M):
+    K, widths, q, sw = _weights(shape, seed=3)
+    N, r, S, s = sum(widths), 64, 4, 2.0
+    g = torch.Generator(device=DEV).manual_seed(4)
+    As = [torch.randn(r, K, device=DEV, generator=g) * 0.02 for _ in range(S)]
+    Bs = [torch.randn(N, r, device=DEV, generator=g) * 0.02 for _ in range(S)]
+    A_stack = torch.stack([a.to(torch.bfloat16) for a in As])             # engine slots, s folded into B
+    B_stack = torch.stack([(b * s).to(torch.bfloat16) for b in Bs])
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16, generator=g)
+    bias = torch.randn(N, device=DEV, dtype=torch.bfloat16, generator=g)
+    slots = _slots(M, S, seed=7)
+    slots[: max(1, M // 4)] = 2
+    y_eng = fp8_lora_linear(x, q, sw, A_stack, B_stack, build_lora_meta(slots, S), mode="w8a16", bias=bias)
+    y_tr = lora_linear_triton(x, q, sw, As[2], Bs[2], s, bias)
+    return slots, y_eng, y_tr
+
+
+@pytest.mark.parametrize("shape,M", MATCHED, ids=[f"{s}-M{m}" for s, m in MATCHED])
+def test_matched_property_engine_w8a16_vs_trainer_forward(shape, M):
+    with torch.no_grad():
+        slots, y_eng, y_tr = _matched_outputs(shape, M)
+    rows = slots == 2
+    assert rows.any()
+    diff = (y_eng[rows].float() - y_tr[rows].float()).abs().max().item()
+    assert torch.equal(y_eng[rows], y_tr[rows]), f"max |diff| {diff}"
+
+
+# --------------------------------------------------------------------------------------------- training linear
+@pytest.mark.parametrize("shape,M", TRAIN, ids=[s for s, _ in TRAIN])
+def test_training_linear_fwd_bwd_vs_reference(shape, M):
+    x, q, sw, A, B = _train_inputs(shape, M)
+    s = 2.0
+    # memory: what the forward and the backward allocate beyond their outputs, against a bf16 weight copy
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y = lora_linear_triton(x, q, sw, A, B, s)
+    torch.cuda.synchronize()
+    peak_fwd = torch.cuda.max_memory_allocated() - base - y.numel() * y.element_size()
+    dy = torch.randn_like(y)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y.backward(dy)
+    torch.cuda.synchronize()
+    peak_bwd = torch.cuda.max_memory_allocated() - base
+    got = [y.detach(), x.grad, A.grad, B.grad]
+    x.grad = A.grad = B.grad = None
+    yr = LoRALinearRef.apply(x, q, sw, A, B, s, None)
+    yr.backward(dy)
+    ref = [yr.detach(), x.grad, A.grad, B.grad]
+    errs = {n: rel_err(a, b) for n, a, b in zip(("y", "dx", "dA", "dB"), got, ref)}
+    bf16_weight = q.numel() * 2
+    print(f"  {shape} T={M}: rel err vs LoRALinearRef {errs}; extra memory fwd {peak_fwd / 2**20:.1f} MiB, "
+          f"bwd {peak_bwd / 2**20:.1f} MiB (incl. dx {x.numel() * 2 / 2**20:.1f} MiB); a bf16 weight copy "
+          f"would be {bf16_weight / 2**20:.1f} MiB")
+    assert all(e < 1e-2 for e in errs.values()), errs
+    assert max(peak_fwd, peak_bwd) < bf16_weight / 2, "allocated something the size of a 16-bit weight copy"
+
+
+def test_dispatch_auto_picks_triton_on_cuda():
+    from rlfp8.kernels.linear import lora_linear
+    with dispatch.use_backend("auto"):
+        dispatch.reset_report()
+        x, q, sw, A, B = _train_inputs("o", 128)
+        lora_linear(x, q, sw, A, B, 1.0)
+        fp8.quantize_activation(x.detach())
+        assert dispatch.report()["lora_linear"] == {"triton": 1}
+        assert dispatch.report()["quantize_activation"] == {"triton": 1}

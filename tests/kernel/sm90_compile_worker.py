@@ -1,0 +1,153 @@
+"""Compile every Triton kernel of rlfp8.kernels for sm_90a (GPUTarget("cuda", 90, 32)) without a GPU, with
+the configs the host code picks on an H200 (Qwen3-8B projection shapes at one M per token bucket, tuned
+table entries included), and print one JSON line per distinct kernel.
+
+Run by tests/kernel/test_compile_sm90.py in a subprocess WITHOUT TRITON_INTERPRET (the interpreter replaces
+@triton.jit at decoration time). The launchers are called with CPU tensors while
+rlfp8.kernels._triton_utils.collect_launches() captures their launches; each distinct launch is compiled
+through the JIT's own argument specialization (jit_spec/compile_spec).
+    python -m tests.kernel.sm90_compile_worker [--jobs 2]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
+
+import torch  # noqa: E402
+
+from rlfp8.kernels import _triton_utils as tu  # noqa: E402
+from rlfp8.kernels.fp8_triton import quantize_activation_triton, quantize_weight_triton  # noqa: E402
+from rlfp8.kernels.lora_gemm import (M_BUCKETS, GemmConfig, _tuned_table, gemm_config,  # noqa: E402
+                                     lora_gemm_triton)
+from rlfp8.kernels.lora_shrink import lora_shrink_triton  # noqa: E402
+from rlfp8.kernels.metadata import build_lora_meta  # noqa: E402
+
+SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (4096, [12288, 12288]),
+          "down": (12288, [4096])}
+M_REPS = [1, 24, 64, 128, 256, 300, 2048]          # one M per bucket of lora_gemm.M_BUCKETS
+assert len(M_REPS) == len(M_BUCKETS)
+SMEM_MAX = 232448                                  # sm_90 max dynamic shared memory per block (227 KiB)
+FP8 = torch.float8_e4m3fn
+BF16 = torch.bfloat16
+
+
+def _e(*shape, dtype=BF16):
+    return torch.empty(*shape, dtype=dtype)
+
+
+def collect() -> list:
+    """All launches (kernel, grid, args, kwargs) the GPU paths make, one per distinct kernel + config."""
+    S, r = 4, 64
+    with tu.collect_launches() as rec:
+        quantize_activation_triton(_e(64, 4096), "div")
+        quantize_activation_triton(_e(64, 4096), "recip")
+        quantize_weight_triton(_e(1024, 12288))
+        for name, (K, widths) in SHAPES.items():
+            N = sum(widths)
+            q, sw = _e(N, K, dtype=FP8), torch.empty(N)
+            for M in M_REPS:
+                x = _e(M, K)
+                slots = torch.arange(M) % (S + 1) - 1                 # some tokens without adapter
+                meta = build_lora_meta(slots, S)
+                A = [_e(S, r, K) for _ in widths]
+                B = [_e(S, n, r) for n in widths]
+                h = torch.empty(len(widths), M, r)
+                lora_shrink_triton(x, A, meta, quant="div")
+                lora_gemm_triton(x, q, sw, h=h, B=B, meta=meta, g=torch.empty(S, N), bias=_e(N))
+                lora_gemm_triton(_e(M, K, dtype=FP8), q, sw, x_scale=torch.empty(M, 1), h=h, B=B, meta=meta)
+                lora_gemm_triton(x, q, sw)
+                lora_gemm_triton(_e(M, K, dtype=FP8), q, sw, x_scale=torch.empty(M, 1))
+            # the training linear at 8x1024 tokens: forward (no metadata) and backward dx (transposed codes)
+            T = 8192
+            x, dy = _e(T, K), _e(T, N)
+            A1, B1 = _e(r, K), _e(N, r)
+            lora_shrink_triton(x, A1[None], None)
+            lora_gemm_triton(x, q, sw, h=torch.empty(1, T, r), B=B1[None])
+            lora_gemm_triton(dy, q.t(), sw, w_scale_axis="reduction", h=torch.empty(1, T, r), B=A1.t()[None])
+        # TMA weight loads (a tuning option) at three buckets, both modes
+        K, N = 4096, 6144
+        q, sw = _e(N, K, dtype=FP8), torch.empty(N)
+        for M in (16, 64, 2048):
+            for xx, xs in ((_e(M, K), None), (_e(M, K, dtype=FP8), torch.empty(M, 1))):
+                mode = "w8a8" if xs is not None else "w8a16"
+                cfg = dataclasses.replace(gemm_config(mode, M, N, K), w_tma=True)
+                lora_gemm_triton(xx, q, sw, x_scale=xs, config=cfg)
+        # other ranks, PDL variants
+        K, N = 4096, 4096
+        x, q, sw = _e(16, K), _e(N, K, dtype=FP8), torch.empty(N)
+        meta = build_lora_meta(torch.arange(16) % 3 - 1, 2)
+        for rr in (16, 128):
+            lora_shrink_triton(x, _e(2, rr, K), meta)
+            lora_gemm_triton(x, q, sw, h=torch.empty(1, 16, rr), B=_e(2, N, rr), meta=meta)
+        lora_shrink_triton(x, _e(2, r, K), meta, quant="div", use_pdl=True)
+        lora_gemm_triton(x, q, sw, h=torch.empty(1, 16, r), B=_e(2, N, r), meta=meta, use_pdl=True)
+        # every entry of a tuned table, if one exists for the GPU named by RLFP8_TUNED_GPU
+        for key, entry in _tuned_table("cuda").items():
+            mode, bucket, K, ncls = key.split("|")
+            K, M = int(K), min(int(bucket), 4096)
+            N = 4096 if ncls == "narrow" else 24576
+            xx = _e(M, K, dtype=FP8 if mode == "w8a8" else BF16)
+            lora_gemm_triton(xx, _e(N, K, dtype=FP8), torch.empty(N), x_scale=torch.empty(M, 1) if mode == "w8a8"
+                             else None, h=torch.empty(1, M, r), B=_e(S, N, r),
+                             meta=build_lora_meta(torch.arange(M) % S, S), config=GemmConfig(**entry))
+    seen, out = set(), []
+    for kern, grid, args, kw in rec:
+        key = (kern.fn.__name__, tuple(sorted((k, str(v)) for k, v in kw.items())))
+        if key not in seen:
+            seen.add(key)
+            out.append((kern, grid, args, kw))
+    return out
+
+
+def _check(item):
+    idx, spec = item
+    t0 = time.time()
+    try:
+        k = tu.compile_spec(spec)
+    except Exception as e:  # report, the test fails on it
+        return dict(idx=idx, name=spec["name"], ok=False, error=f"{type(e).__name__}: {str(e)[:3000]}")
+    ptx = k.asm["ptx"]
+    wg = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
+    return dict(
+        idx=idx, name=spec["name"], ok=True, seconds=round(time.time() - t0, 2),
+        shared=k.metadata.shared, num_warps=k.metadata.num_warps, num_stages=spec["options"].get("num_stages"),
+        wgmma=bool(wg),
+        wgmma_reg_a=any(re.search(r"\}, \{%r", ln) for ln in wg if ".bf16.bf16" in ln or ".f16.f16" in ln),
+        mma_sync="mma.sync" in ptx, div_rn="div.rn.f32" in ptx, div_full="div.full.f32" in ptx,
+        cvt_e4m3="cvt.rn.satfinite.e4m3x2.f32" in ptx, gdc_wait="griddepcontrol.wait" in ptx,
+        gdc_launch="griddepcontrol.launch_dependents" in ptx, tma="cp.async.bulk.tensor" in ptx,
+        cubin_bytes=len(k.asm["cubin"]))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--jobs", type=int, default=2)
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    launches = collect()
+    specs = []
+    for idx, (kern, grid, args, kw) in enumerate(launches):
+        spec = tu.jit_spec(kern, args, kw)
+        named = {kern.arg_names[i[0]]: v for i, v in spec["constexprs"].items()}
+        specs.append((idx, spec, named, grid))
+    print(json.dumps(dict(event="collected", kernels=len(specs), seconds=round(time.time() - t0, 2))), flush=True)
+    with ProcessPoolExecutor(max_workers=a.jobs) as pool:
+        for res, (idx, spec, named, grid) in zip(pool.map(_check, [(i, s) for i, s, _, _ in specs]), specs):
+            res["constexprs"] = {k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v))
+                                 for k, v in named.items()}
+            res["grid"] = list(grid)
+            print(json.dumps(res), flush=True)
+    print(json.dumps(dict(event="done", seconds=round(time.time() - t0, 2))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Every Triton kernel of rlfp8.kernels compiles for sm_90a (GPUTarget("cuda", 90, 32)) with the configs
+the host code uses on an H200, without a GPU: in a subprocess without TRITON_INTERPRET (the interpreter
+replaces @triton.jit at decoration time). Checks what the interpreter cannot: wgmma in the GEMMs (the
+widened FP8 tile as wgmma's register A operand in W8A16), IEEE division and the saturating e4m3 cast in
+the quantizers, the PDL instructions where asked, and shared memory within the sm_90 limit."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SMEM_MAX = 232448
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["RLFP8_TUNED_GPU"] = env.get("RLFP8_TUNED_GPU", "NVIDIA H200")   # include a committed tuned table
+    p = subprocess.run([sys.executable, "-m", "tests.kernel.sm90_compile_worker", "--jobs", "2"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-5000:]
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    return [r for r in rows if "event" not in r]
+
+
+def test_all_kernels_compile(compiled):
+    names = {r["name"] for r in compiled}
+    assert names == {"_quant_rows_kernel", "_lora_shrink_kernel", "_lora_gemm_kernel"}, names
+    failed = [f"{r['name']} {r.get('constexprs')}: {r['error']}" for r in compiled if not r["ok"]]
+    assert not failed, "\n".join(failed)
+    too_big = [(r["name"], r["shared"], r["constexprs"]) for r in compiled if r["shared"] > SMEM_MAX]
+    assert not too_big, too_big
+
+
+def test_gemms_use_wgmma_with_register_a_in_w8a16(compiled):
+    gemms = [r for r in compiled if r["name"] == "_lora_gemm_kernel"]
+    assert len(gemms) >= 20
+    assert all(r["wgmma"] and not r["mma_sync"] for r in gemms), [r["constexprs"] for r in gemms if not r["wgmma"]]
+    w8a16 = [r for r in gemms if r["constexprs"]["WIDEN_W"]]
+    assert w8a16 and all(r["wgmma_reg_a"] for r in w8a16)
+    assert any(r["constexprs"]["SCALE_W"] == 2 for r in w8a16)          # the backward dx kernel
+    assert {r["constexprs"]["N_SLICES"] for r in gemms if r["constexprs"]["HAS_LORA"]} == {1, 2, 3}
+    assert any(r["constexprs"]["SPLIT_K"] > 1 for r in gemms)
+    tma = [r for r in gemms if r["constexprs"]["W_TMA"]]
+    assert len(tma) >= 6 and all(r["tma"] for r in tma) and not any(r["tma"] for r in gemms if r not in tma)
+    big_shrinks = [r for r in compiled if r["name"] == "_lora_shrink_kernel" and r["constexprs"]["BLOCK_M"] >= 64]
+    assert big_shrinks and all(r["wgmma"] for r in big_shrinks)
+
+
+def test_quantizers_ieee_division_and_saturating_cast(compiled):
+    quant = [r for r in compiled if r["name"] == "_quant_rows_kernel"
+             or (r["name"] == "_lora_shrink_kernel" and r["constexprs"]["QUANT"])]
+    assert quant
+    for r in quant:
+        assert r["div_rn"] and not r["div_full"] and r["cvt_e4m3"], r
+
+
+def test_pdl_wait_point_present_only_when_asked(compiled):
+    pdl = [r for r in compiled if r["constexprs"].get("USE_PDL")]
+    assert {r["name"] for r in pdl} == {"_lora_shrink_kernel", "_lora_gemm_kernel"}
+    for r in pdl:
+        assert r["gdc_launch"] if r["name"] == "_lora_shrink_kernel" else r["gdc_wait"], r
+    assert not any(r["gdc_wait"] or r["gdc_launch"] for r in compiled if not r["constexprs"].get("USE_PDL"))

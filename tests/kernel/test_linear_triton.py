@@ -1,0 +1,88 @@
+"""The Triton training linear (interpreter) vs LoRALinearRef and fp64 math, and the matched property:
+the engine's W8A16 projection and the trainer's forward give the same bits on the same rows."""
+import pytest
+import torch
+
+from rlfp8.kernels import dispatch, fp8
+from rlfp8.kernels.linear import LoRALinearRef, lora_linear
+from rlfp8.kernels.linear_triton import lora_linear_triton
+from rlfp8.kernels.lora_gemm import fp8_lora_linear
+from rlfp8.kernels.metadata import build_lora_meta
+from tests.conftest import rel_err
+
+
+def _fp64_grads(x, q, sw, A, B, s, bias, dy):
+    W64 = q.double() * sw.double()[:, None]
+    x64 = x.detach().double().requires_grad_()
+    A64 = A.detach().double().requires_grad_()
+    B64 = B.detach().double().requires_grad_()
+    Ac = A64 + (A.detach().to(x.dtype).double() - A64).detach()          # the contract's operand roundings
+    Bc = s * B64 + ((B.detach() * s).to(x.dtype).double() - s * B64).detach()
+    y64 = x64 @ W64.t() + (x64 @ Ac.t()) @ Bc.t() + (0 if bias is None else bias.double())
+    y64.backward(dy.double())
+    return y64, x64.grad, A64.grad, B64.grad
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_forward_backward_vs_reference_and_fp64(with_bias, device):
+    M, K, N, r, s = 37, 96, 80, 8, 0.5
+    x = torch.randn(2, M, K, dtype=torch.bfloat16, device=device, requires_grad=True)
+    q, sw = fp8.quantize_weight_ref(torch.randn(N, K, device=device) * 0.05)
+    A = (torch.randn(r, K, device=device) * 0.1).requires_grad_()
+    B = (torch.randn(N, r, device=device) * 0.1).requires_grad_()
+    bias = torch.randn(N, dtype=torch.bfloat16, device=device) if with_bias else None
+    y = lora_linear_triton(x, q, sw, A, B, s, bias)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    got = [y.detach(), x.grad, A.grad, B.grad]
+    x.grad = A.grad = B.grad = None
+    yr = LoRALinearRef.apply(x, q, sw, A, B, s, bias)
+    yr.backward(dy)
+    ref = [yr.detach(), x.grad, A.grad, B.grad]
+    ref64 = _fp64_grads(x, q, sw, A, B, s, bias, dy)
+    for name, a, b, c in zip(("y", "dx", "dA", "dB"), got, ref, ref64):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert rel_err(a, c) < 1e-2, name                     # bf16 operands
+        assert rel_err(a, b) < 1e-2, name
+    assert torch.equal(got[0], ref[0]) or rel_err(got[0], ref[0]) < 4e-3   # one bf16 rounding apart at most
+
+
+def test_no_adapter_and_dispatch(device):
+    M, K, N = 16, 64, 64
+    x = torch.randn(M, K, dtype=torch.bfloat16, device=device, requires_grad=True)
+    q, sw = fp8.quantize_weight_ref(torch.randn(N, K, device=device))
+    dispatch.reset_report()
+    with dispatch.use_backend("triton"):
+        y = lora_linear(x, q, sw, None, None, 1.0)
+    assert dispatch.report()["lora_linear"] == {"triton": 1}
+    y.backward(torch.ones_like(y))
+    w64 = q.double() * sw.double()[:, None]
+    assert rel_err(y, x.double() @ w64.t()) < 1e-2
+    assert rel_err(x.grad, torch.ones(M, N, dtype=torch.float64) @ w64) < 1e-2
+    with pytest.raises(TypeError, match="bf16/fp16 x"):
+        lora_linear_triton(x.float(), q, sw, None, None, 1.0)
+    with pytest.raises(ValueError, match=r"B must be \[N=64, r=4\]"):
+        lora_linear_triton(x, q, sw, torch.zeros(4, K, device=device), torch.zeros(N, 5, device=device), 1.0)
+
+
+def test_matched_property_engine_w8a16_equals_trainer_forward(device):
+    """Engine: 4 adapter slots, some tokens without adapter, adapter-sorted metadata. Trainer: one adapter
+    (slot 2's), no metadata. Same T, same projection => bit-identical rows."""
+    T, K, N, r, s, S = 40, 128, 96, 16, 2.0, 4
+    x = torch.randn(T, K, dtype=torch.bfloat16, device=device)
+    q, sw = fp8.quantize_weight_ref(torch.randn(N, K, device=device) * 0.05)
+    bias = torch.randn(N, dtype=torch.bfloat16, device=device)
+    As = [torch.randn(r, K, device=device) * 0.1 for _ in range(S)]
+    Bs = [torch.randn(N, r, device=device) * 0.1 for _ in range(S)]
+    A_stack = torch.stack([a.to(torch.bfloat16) for a in As])                    # [S, r, K]
+    B_stack = torch.stack([(b * s).to(torch.bfloat16) for b in Bs])              # [S, N, r], s folded in
+    slots = torch.randint(-1, S, (T,), device=device)
+    slots[:3] = 2
+    meta = build_lora_meta(slots, S)
+    with dispatch.use_backend("triton"), torch.no_grad():
+        y_eng = fp8_lora_linear(x, q, sw, A_stack, B_stack, meta, mode="w8a16", bias=bias)
+        y_tr = lora_linear(x, q, sw, As[2], Bs[2], s, bias)
+        y_base = lora_linear(x, q, sw, None, None, s, bias)
+    rows = slots == 2
+    assert torch.equal(y_eng[rows], y_tr[rows])
+    assert torch.equal(y_eng[slots == -1], y_base[slots == -1])

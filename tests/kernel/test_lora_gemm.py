@@ -1,0 +1,155 @@
+"""K2 (lora_gemm) under the interpreter vs fp64 math and its torch reference: both modes, several adapters
+with tokens without adapter, fused output slices (a tile straddling two slices), DoRA g, bias, split-K."""
+import pytest
+import torch
+
+from rlfp8.kernels import dispatch, fp8
+from rlfp8.kernels.lora_gemm import (GemmConfig, fp8_lora_linear, gemm_config, lora_gemm, lora_gemm_ref,
+                                     lora_gemm_triton)
+from rlfp8.kernels.lora_shrink import lora_shrink_ref
+from rlfp8.kernels.metadata import build_lora_meta
+from tests.conftest import rel_err
+
+SMALL = GemmConfig(64, 16, 64, 1, 2, 4, 2)
+SPLIT = GemmConfig(64, 32, 32, 3, 1, 4, 2)
+
+
+def _problem(M, K, widths, S, r, device, mode="w8a16", none_frac=0.3):
+    N = sum(widths)
+    x = torch.randn(M, K, dtype=torch.bfloat16, device=device)
+    q, sw = fp8.quantize_weight_ref(torch.randn(N, K, device=device) * 0.05)
+    A = [torch.randn(S, r, K, dtype=torch.bfloat16, device=device) * 0.1 for _ in widths]
+    B = [torch.randn(S, n, r, dtype=torch.bfloat16, device=device) * 0.1 for n in widths]
+    slots = torch.randint(0, S, (M,), device=device)
+    slots[torch.rand(M, device=device) < none_frac] = -1
+    slots[0], slots[-1] = -1, S - 1
+    meta = build_lora_meta(slots, S)
+    h = lora_shrink_ref(x, A, meta).h
+    xs = None
+    if mode == "w8a8":
+        x, xs = fp8.quantize_activation_ref(x)
+    return dict(x=x, q=q, sw=sw, xs=xs, A=A, B=B, slots=slots, meta=meta, h=h)
+
+
+def _fp64(p, g=None, bias=None):
+    x, q, sw, xs, B, slots, h = p["x"], p["q"], p["sw"], p["xs"], p["B"], p["slots"], p["h"]
+    acc = x.double() @ q.double().t() * sw.double()[None, :]
+    if xs is not None:
+        acc = acc * xs.double()
+    offs = [0]
+    for b in B:
+        offs.append(offs[-1] + b.shape[1])
+    for s in set(slots.tolist()) - {-1}:
+        rows = slots == s
+        for l, b in enumerate(B):
+            acc[rows, offs[l]:offs[l + 1]] += h[l, rows].double() @ b[s].double().t()
+        if g is not None:
+            acc[rows] *= g[s].double()
+    if bias is not None:
+        acc += bias.double()
+    return acc
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+@pytest.mark.parametrize("cfg", [SMALL, SPLIT], ids=["tile64x16", "splitk3"])
+@pytest.mark.parametrize("gather", [True, False])
+def test_multi_adapter_slices_dora_bias(mode, cfg, gather, device):
+    M, K, S, r = 37, 96, 4, 16
+    p = _problem(M, K, [48, 40, 40], S, r, device, mode)       # N = 128: tile [0, 64) spans slices 0 and 1
+    N = 128
+    g = torch.rand(S, N, device=device) + 0.5
+    bias = torch.randn(N, dtype=torch.bfloat16, device=device)
+    ref64 = _fp64(p, g, bias)
+    kw = dict(x_scale=p["xs"], h=p["h"], B=p["B"], meta=p["meta"], g=g, bias=bias)
+    y32 = lora_gemm_triton(p["x"], p["q"], p["sw"], out_dtype=torch.float32, config=cfg, gather=gather, **kw)
+    assert rel_err(y32, ref64) < 1e-5                        # exact operands, fp32 accumulation
+    y16 = lora_gemm_triton(p["x"], p["q"], p["sw"], config=cfg, gather=gather, **kw)
+    assert y16.dtype == torch.bfloat16 and rel_err(y16, ref64) < 1e-2
+    yref = lora_gemm_ref(p["x"], p["q"], p["sw"], **kw)
+    assert rel_err(y16, yref.float()) < 1e-2
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+def test_base_only_ragged_shapes(mode, device):
+    M, K, N = 21, 80, 72                                     # no dim a multiple of its tile
+    p = _problem(M, K, [N], 1, 16, device, mode)
+    y = lora_gemm_triton(p["x"], p["q"], p["sw"], x_scale=p["xs"], out_dtype=torch.float32, config=SMALL)
+    acc = p["x"].double() @ p["q"].double().t() * p["sw"].double()
+    if p["xs"] is not None:
+        acc *= p["xs"].double()
+    assert rel_err(y, acc) < 1e-5
+
+
+@pytest.mark.parametrize("prec,tol", [("bf16x2", 1e-5), ("ieee", 1e-5), ("tf32x3", 1e-5), ("bf16", 1e-2)])
+def test_lora_precisions(prec, tol, device):
+    p = _problem(24, 64, [64], 3, 16, device)
+    h = p["h"] * 50                                          # make the LoRA term dominate the error
+    p["h"] = h
+    y = lora_gemm_triton(p["x"], p["q"], p["sw"], h=h, B=p["B"], meta=p["meta"], out_dtype=torch.float32,
+                         config=SMALL, lora_precision=prec)
+    assert rel_err(y, _fp64(p)) < tol
+
+
+def test_rows_do_not_depend_on_the_other_adapters(device):
+    """Same config (same M): a row's output is the same whether its neighbours use other adapters or not."""
+    p = _problem(32, 64, [64, 64], 3, 16, device)
+    y_mixed = lora_gemm_triton(p["x"], p["q"], p["sw"], h=p["h"], B=p["B"], meta=p["meta"], config=SPLIT)
+    one = torch.full_like(p["slots"], 1)
+    meta1 = build_lora_meta(one, 3)
+    y_one = lora_gemm_triton(p["x"], p["q"], p["sw"], h=p["h"], B=p["B"], meta=meta1, config=SPLIT)
+    rows = p["slots"] == 1
+    assert rows.any() and torch.equal(y_mixed[rows], y_one[rows])
+
+
+def test_heuristic_config_vllm_layout_and_engine_call(device):
+    M, K, S, r = 9, 64, 2, 16
+    p = _problem(M, K, [64, 32], S, r, device)
+    cfg = gemm_config("w8a16", M, 96, K)
+    assert cfg.block_m == 16 and cfg.block_n == 64
+    B4 = [b[:, None] for b in p["B"]]                         # vLLM [S, 1, N_l, r]
+    y = lora_gemm_triton(p["x"], p["q"], p["sw"], h=p["h"], B=B4, meta=p["meta"], out_dtype=torch.float32)
+    assert rel_err(y, _fp64(p)) < 1e-5
+    # the engine's projection (K1 + K2) under the triton backend, both modes
+    with dispatch.use_backend("triton"):
+        y16 = fp8_lora_linear(p["x"], p["q"], p["sw"], p["A"], B4, p["meta"], mode="w8a16")
+        y8 = fp8_lora_linear(p["x"], p["q"], p["sw"], p["A"], B4, p["meta"], mode="w8a8")
+    with dispatch.use_backend("torch"):
+        y8_ref = fp8_lora_linear(p["x"], p["q"], p["sw"], p["A"], B4, p["meta"], mode="w8a8")
+    assert rel_err(y16, _fp64(p)) < 1e-2
+    assert rel_err(y8, y8_ref.float()) < 1e-2
+
+
+def test_dispatch_and_errors(device):
+    p = _problem(8, 64, [64], 2, 16, device)
+    dispatch.reset_report()
+    with dispatch.use_backend("triton"):
+        lora_gemm(p["x"], p["q"], p["sw"], config=SMALL)
+    lora_gemm(p["x"].cpu(), p["q"].cpu(), p["sw"].cpu())     # auto on CPU tensors: reference
+    assert dispatch.report() == {"lora_gemm": {"triton": 1, "torch": 1}}
+    x, q, sw = p["x"], p["q"], p["sw"]
+    with pytest.raises(ValueError, match=r"q \(64, 64\) must be \[N, K\] with K = x.shape\[1\] = 32"):
+        lora_gemm_triton(x[:, :32], q, sw)
+    with pytest.raises(ValueError, match=r"needs x_scale"):
+        lora_gemm_triton(p["x"].to(fp8.FP8_DTYPE), q, sw)
+    with pytest.raises(ValueError, match=r"B slice widths \[32\] must sum to N = q.shape\[0\] = 64"):
+        lora_gemm_triton(x, q, sw, h=p["h"], B=p["B"][0][:, :32], meta=p["meta"])
+    with pytest.raises(ValueError, match=r"h must have shape \[1, 8, 16\]"):
+        lora_gemm_triton(x, q, sw, h=p["h"][:, :4], B=p["B"], meta=p["meta"])
+    with pytest.raises(ValueError, match=r"g must have shape \[2, 64\]"):
+        lora_gemm_triton(x, q, sw, h=p["h"], B=p["B"], meta=p["meta"], g=torch.ones(2, 63, device=device))
+    with pytest.raises(TypeError, match="fp32 x"):
+        lora_gemm_triton(x.float(), q, sw)
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+def test_tma_weight_loads_same_bits(mode, device):
+    """w_tma=True reads the weight tiles through a TMA descriptor (zero-filled outside [N, K])."""
+    p = _problem(21, 80, [48, 24], 3, 16, device, mode)      # ragged N and K: TMA's zero padding at work
+    kw = dict(x_scale=p["xs"], h=p["h"], B=p["B"], meta=p["meta"], out_dtype=torch.float32)
+    tma = GemmConfig(64, 16, 32, 2, 1, 4, 2, w_tma=True)
+    y = lora_gemm_triton(p["x"], p["q"], p["sw"], config=tma, **kw)
+    y_ptr = lora_gemm_triton(p["x"], p["q"], p["sw"], config=GemmConfig(64, 16, 32, 2, 1, 4, 2), **kw)
+    assert torch.equal(y, y_ptr)
+    assert rel_err(y, _fp64(p)) < 1e-5
+    with pytest.raises(ValueError, match="w_tma needs a row-major q"):
+        lora_gemm_triton(p["x"][:, :72], p["q"].t().contiguous().t()[:, :72], p["sw"], x_scale=p["xs"], config=tma)
