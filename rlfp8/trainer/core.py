@@ -252,7 +252,7 @@ class PolicyTrainer:
                         _acc(metrics_acc, "train/kl_ref", float((kl * mask).sum() / mask.sum().clamp(min=1)))
                     loss.backward()
                     tokens += int(mb["attention_mask"].sum())
-                    _acc(metrics_acc, "train/loss", float(loss))
+                    _acc(metrics_acc, "train/loss", loss.item())
                     _acc(metrics_acc, "train/entropy", float((ent * mask).sum() / mask.sum().clamp(min=1)))
                     for k, v in {**pm, **wm}.items():
                         _acc(metrics_acc, k if "/" in k else f"train/{k}", v)

@@ -1,0 +1,105 @@
+"""End-to-end RL runs on one machine, summarised into one JSON (bench/results/e2e_<gpu>.json).
+
+    python bench/e2e.py --out bench/results/e2e_h200.json \
+        --run tiny:model=tiny,steps=3 \
+        --run quickstart_bf16:steps=20,engine.precision=bf16 \
+        --run quickstart_w8a8:steps=20,engine.precision=w8a8
+
+Each --run is NAME:comma-separated overrides for `rlfp8-train` (recipe=quickstart unless given).
+Every run is a separate process (its own Ray instance); a failing run is recorded with its error and
+the others still run. Per run: mean step times (rollout / train / sync / step, first step excluded
+when there are more than two), peak device memory per actor, eval reward before/after, the last
+train reward, the mean of mismatch/kl_k3 and mismatch/abs_logp_diff_mean, and the wall time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def summarize(run_dir: Path) -> dict:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in rows if "reward/mean" in r]
+    evals = [r for r in rows if "eval/reward" in r]
+    timed = train[1:] if len(train) > 2 else train
+
+    def mean(key, rs=timed):
+        vals = [r[key] for r in rs if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    def peak(key):
+        vals = [r[key] for r in train if r.get(key) is not None]
+        return max(vals) if vals else None
+
+    return {
+        "steps": len(train),
+        "step_time_s": {k: mean(f"time/{k}") for k in ("rollout", "train", "sync", "step")},
+        "peak_memory_gib": {"engine": peak("memory/engine_peak_gib"), "trainer": peak("memory/trainer_peak_gib")},
+        "eval_reward_first": evals[0]["eval/reward"] if evals else None,
+        "eval_reward_final": evals[-1]["eval/reward"] if evals else None,
+        "train_reward_first": train[0]["reward/mean"] if train else None,
+        "train_reward_final": train[-1]["reward/mean"] if train else None,
+        "mismatch_kl_k3_mean": mean("mismatch/kl_k3", train),
+        "mismatch_abs_logp_diff_mean": mean("mismatch/abs_logp_diff_mean", train),
+        "train_tokens_per_s": mean("train/tokens_per_s"),
+        "rollout_tokens_per_s": mean("rollout/tokens_per_s"),
+    }
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for mod in ("torch", "triton", "vllm", "transformers", "ray"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception as e:          # recorded, not fatal: the JSON says what was missing
+            out[mod] = f"unavailable ({type(e).__name__})"
+    try:
+        import torch
+        out["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception:
+        out["gpu"] = "unknown"
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--run", action="append", required=True, help="NAME:override,override,...")
+    ap.add_argument("--runs-root", default="runs/bench-e2e")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    args = ap.parse_args()
+    result = {"command": " ".join([sys.executable] + sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "versions": versions(), "runs": {}}
+    for spec in args.run:
+        name, _, ov = spec.partition(":")
+        overrides = [o for o in ov.split(",") if o]
+        if not any(o.startswith("recipe=") for o in overrides):
+            overrides.insert(0, "recipe=quickstart")
+        run_dir = Path(args.runs_root) / name
+        cmd = [sys.executable, "-m", "rlfp8.train", f"run_dir={run_dir}", "logger.wandb.mode=offline", *overrides]
+        print(f"== {name}: {' '.join(cmd)}", flush=True)
+        t0 = time.time()
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env={**os.environ})
+        entry = {"overrides": overrides, "returncode": p.returncode, "wall_s": round(time.time() - t0, 1)}
+        (Path(args.runs_root) / f"{name}.log").parent.mkdir(parents=True, exist_ok=True)
+        (Path(args.runs_root) / f"{name}.log").write_text(p.stdout + "\n----- stderr -----\n" + p.stderr)
+        if (run_dir / "metrics.jsonl").exists():
+            entry.update(summarize(run_dir))
+        if p.returncode != 0:
+            entry["error_tail"] = (p.stderr or p.stdout)[-2500:]
+        result["runs"][name] = entry
+        print(json.dumps(entry, indent=1)[:3000], flush=True)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return 0 if all(r["returncode"] == 0 for r in result["runs"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

