@@ -87,7 +87,9 @@ class PolicyTrainer:
         model.to(self.device)
         model.config.use_cache = False
         if tcfg.get("gradient_checkpointing", False):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers >= 5.24 renamed it; the GPU machines run 5.17
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         self.model = model
         self.params = [p for m in lora_modules(model).values() for p in (m.lora_A, m.lora_B)]
