@@ -78,7 +78,7 @@ class PolicyTrainer:
         from transformers import AutoModelForCausalLM
         # Load the 16-bit checkpoint on the CPU, then quantize/move one projection at a time.
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, low_cpu_mem_usage=True)
-        if model.get_output_embeddings().bias is not None if hasattr(model.get_output_embeddings(), "bias") else False:
+        if getattr(model.get_output_embeddings(), "bias", None) is not None:
             raise NotImplementedError("lm_head with a bias is not supported by the chunked log-prob path")
         self.replaced = apply_lora(model, rank=int(acfg["rank"]), alpha=float(acfg["alpha"]),
                                    targets=acfg.get("target_modules") or DEFAULT_TARGETS,
@@ -88,8 +88,10 @@ class PolicyTrainer:
         model.config.use_cache = False
         if tcfg.get("gradient_checkpointing", False):
             # transformers >= 5.24 renamed it; the GPU machines run 5.17
-            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         self.model = model
         self.params = [p for m in lora_modules(model).values() for p in (m.lora_A, m.lora_B)]
