@@ -1,6 +1,6 @@
 """FP8 formats: per-output-channel weight quantization and per-token activation quantization.
 
-Contract (docs/ARCHITECTURE.md): q float8_e4m3fn [N, K] (out x in, nn.Linear layout), scale fp32 [N],
+Contract (docs/DESIGN.md): q float8_e4m3fn [N, K] (out x in, nn.Linear layout), scale fp32 [N],
 w ~= scale[:, None] * q, with
     scale = max(amax_row / 448, 1 / (448 * 512)),   q = cast_rne(clamp(w / scale, -448, 448)).
 One function produces the codes for the engine and for the trainer, so two copies are bit-identical.
@@ -24,8 +24,15 @@ ACT_ROUNDING = ("div", "recip")
 
 
 def _rowwise_scale(x: torch.Tensor) -> torch.Tensor:
+    """max(amax_row / 448, MIN_SCALE) with an IEEE fp32 division on every device.
+
+    The divisor is a tensor on x's device, never a Python number: torch's CUDA `t / 448.0` treats the
+    number as a CPU scalar and computes `t * fl(1/448)` (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu,
+    "this may lose one bit of precision"), which differs from `amax / 448` in the last bit for some amax.
+    vLLM's CUDA op, Triton's div_rn and torch's CPU kernel all divide exactly; so does this (full_like, not
+    new_tensor: no host-to-device copy, so it also runs inside CUDA graph capture)."""
     amax = x.abs().amax(dim=-1).to(torch.float32)
-    return torch.clamp(amax / FP8_MAX, min=MIN_SCALE)
+    return torch.clamp(amax / torch.full_like(amax, FP8_MAX), min=MIN_SCALE)
 
 
 def quantize_weight_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,12 @@ def _rows_scale(amax):
 def _rows_quant(v, scale, ROUNDING: tl.constexpr):
     """v [BM, BK] fp32, scale [BM] fp32 -> e4m3 codes [BM, BK]; ROUNDING 1 = x / s, 2 = x * (1 / s)."""
     if ROUNDING == 1:
-        y = tl.math.div_rn(v, scale[:, None])
+        # zeros (and masked lanes, loaded as 0) skip the division: div.rn.f32's fast path is range-checked
+        # (FCHK), and we believe a zero or subnormal dividend takes the slow subroutine. In the first H200
+        # run, K1's quantization of mostly-padding row tiles (T = 1) cost ~5x that of full ones (T = 16,
+        # same config), which fits. The result is the same either way (+-0 / s = +-0).
+        nz = v != 0.0
+        y = tl.where(nz, tl.math.div_rn(tl.where(nz, v, scale[:, None]), scale[:, None]), v)
     else:
         y = v * tl.math.div_rn(1.0, scale)[:, None]
     return tl.clamp(y, -448.0, 448.0).to(tl.float8e4nv)
@@ -77,8 +82,11 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_q
 
 
 def _quant_config(M: int, K: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_K, num_warps): about 4k elements per tile; enough programs at any M."""
-    block_k = min(next_pow2(K), 2048)
+    """(BLOCK_M, BLOCK_K, num_warps): at most 4096 elements per tile (32 fp32 registers per thread at 4 warps),
+    so a row of K <= 4096 (every Qwen3 hidden size but the MLP's 12288) is read once and quantized in
+    registers (one pass); longer rows take two passes (amax, then codes from L2). One row per program for
+    K >= 4096: M programs, enough for every M. K1's fused quantization (lora_shrink) uses the same config."""
+    block_k = min(next_pow2(K), 4096)
     block_m = max(1, min(16, 4096 // block_k, next_pow2(M)))
     return block_m, block_k, 4
 

@@ -15,14 +15,21 @@ Kernel strategy (Hopper):
   * swap-AB: the program computes the transposed tile accᵀ [BLOCK_N, BLOCK_M] = W_tile · x_tileᵀ, so the
     weight rows fill the 64-row wgmma M side even for a handful of tokens (BLOCK_M = 16 at decode), and in
     W8A16 the widened weight tile is the register-sourced A operand of wgmma (no round trip through shared
-    memory), x the shared-memory B operand (K-major, as wgmma wants for both bf16 and fp8).
+    memory), x the shared-memory B operand (K-major, as wgmma wants for both bf16 and fp8). The widening
+    avoids the F2F conversion pipe (_e4m3_to_bf16, GemmConfig.widen).
   * split-K for small T: SPLIT_K programs share a tile; each writes its fp32 partial to a workspace, the
     last one (atomic tile counter, reset afterwards) sums them in split order and runs the epilogue:
-    deterministic, and the epilogue still sees the full sum before the single rounding.
+    deterministic, and the epilogue still sees the full sum before the single rounding. The sum is unrolled
+    (all partial loads in flight at once) while the partials fit in ~64 registers per thread.
   * rows: with metadata, a tile's rows come from vLLM's token_indices_sorted_by_lora_ids (adapter-sorted), so
     a tile touches few adapters; the epilogue loops over the distinct slots of its rows (ascending), each
     iteration one small dot B_slot_tile [BLOCK_N, r] · h_rowsᵀ [r, BLOCK_M] into the fp32 accumulator
     (by default two 16-bit MMAs on h = hi + lo, see LORA_PRECISIONS), reading only the tile's columns of B.
+    Three variants with the same arithmetic: no metadata (the trainer: one slot, no loop); one adapter
+    (per-slot masked loads, fewest registers); more than one adapter (PIPE_SLOTS: h loaded once per slice,
+    the next slot's B tile prefetched, so a tile with 16-32 slots waits for one memory round trip instead of
+    two per slot; in the first H200 run the LoRA part of a W8A16 layer grew from 50 us with 1 adapter to
+    350 us with 32 at T = 64, about 1-2 us per slot and tile).
   * the wait point for h is explicit: with USE_PDL a `gdc_wait()` sits right before the epilogue reads h
     (before the main loop in W8A8, whose x_q also comes from K1), so a later programmatic-dependent launch
     can overlap K1 with K2's main loop. The interpreter cannot run gdc_*, hence the constexpr guard.
@@ -62,7 +69,70 @@ LORA_PRECISIONS = ("bf16x2", "bf16", "tf32x3", "tf32", "ieee")
 # RLFP8_FP8_PRECISE_ACC=<k>: promote the FP8 MMA accumulator to fp32 every k reduction elements (slower,
 # DeepSeek-V3 style); unset = Triton's sm_90 default (fast accumulation, like vLLM's CUTLASS FastAccum).
 FP8_PRECISE_ACC = int(os.environ["RLFP8_FP8_PRECISE_ACC"]) if os.environ.get("RLFP8_FP8_PRECISE_ACC") else None
+
+
+@triton.jit
+def _lora_mma(acc, bt, hT, LORA_PREC: tl.constexpr, LORA_DT: tl.constexpr):
+    """acc [BN, BM] += B tile [BN, BR] · h [BR, BM] (fp32 h; see LORA_PRECISIONS for the 16-bit split)."""
+    if LORA_PREC == "bf16x2" or LORA_PREC == "bf16":
+        b16 = bt.to(LORA_DT)
+        h_hi = hT.to(LORA_DT)
+        acc = tl.dot(b16, h_hi, acc)
+        if LORA_PREC == "bf16x2":
+            if LORA_DT == tl.bfloat16:
+                # bf16 -> fp32 as a 16-bit shift (exact; .to(tl.float32) costs one F2F per element on sm_90)
+                hi32 = (h_hi.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            else:
+                hi32 = h_hi.to(tl.float32)
+            acc = tl.dot(b16, (hT - hi32).to(LORA_DT), acc)
+    else:
+        acc = tl.dot(bt.to(tl.float32), hT, acc, input_precision=LORA_PREC)
+    return acc
+
+
+# How W8A16 widens e4m3 weight tiles to bf16 (GemmConfig.widen, per config; the tuner may pick either):
+# "bits" (_e4m3_to_bf16, inline PTX) or "cvt" (Triton's .to(tl.bfloat16)). Both are exact, so they give the same
+# bits; the interpreter always takes "cvt" (it cannot run inline PTX). RLFP8_W8A16_WIDEN=cvt forces "cvt".
+W8A16_WIDEN = os.environ.get("RLFP8_W8A16_WIDEN", "bits")
+if W8A16_WIDEN not in ("bits", "cvt"):
+    raise ValueError(f"RLFP8_W8A16_WIDEN={W8A16_WIDEN!r}: allowed values are 'bits', 'cvt'")
+_PIPE_SLOTS_OVERRIDE: bool | None = None     # tests only: force the multi-adapter epilogue variant on or off
 _BIG = tl.constexpr(1 << 30)    # "no more slots" sentinel (kernels may only read constexpr globals)
+
+
+@triton.jit
+def _e4m3_to_bf16(w):
+    """Exact e4m3 -> bf16 widening without the F2F conversion pipe (compiled GPU code only: inline PTX).
+
+    Triton's `w.to(tl.bfloat16)` goes e4m3x2 -> f16x2 (one F2FP per pair) and then converts each f16 to bf16
+    with one F2F instruction, which sm_90 runs at 16 results/clk/SM: a 64x128 weight tile needs 8192 of them,
+    ~512 clk per 8 KiB of weights per SM, about the HBM rate (the SASS of the W8A16 main loop at M = 16:
+    64 F2F per thread per iteration against 8 HGMMA). That bound W8A16 at small M (1.2-1.5x our W8A8).
+    Here, per pair of codes (one 16-bit register, pack=2, exactly as the tile comes out of shared memory in
+    wgmma's register-operand layout): e4m3x2 -> f16x2 (one F2FP, exact); bf16 bits = sign | (f16 magnitude
+    >> 3), which is the same value times 2^-112 as a normal bf16 (every e4m3 value is a normal f16 or zero,
+    its f16 mantissa has 3 nonzero bits, so nothing is shifted out); one bf16x2 FMA by 2^112 (+ -0.0)
+    restores it exactly. Two LOP3, one SHF, one HMUL2 per pair: no F2F. Bit-identical to w.to(tl.bfloat16)
+    for all 254 finite codes (tests/kernel/test_widen.py emulates it for every byte; the GPU tests compare
+    both paths). The NaN codes 0x7f/0xff would come out as +-122880 instead of NaN; the quantizer never
+    produces them (it clamps to +-448)."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b16 a, hi;
+        .reg .b32 f, t, k, z;
+        mov.b32 {a, hi}, $1;
+        cvt.rn.f16x2.e4m3x2 f, a;
+        and.b32 t, f, 0x7FFF7FFF;
+        shr.b32 t, t, 3;
+        and.b32 f, f, 0x80008000;
+        or.b32 t, t, f;
+        mov.b32 k, 0x77807780;
+        mov.b32 z, 0x80008000;
+        fma.rn.bf16x2 $0, t, k, z;
+        }
+        """,
+        constraints="=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=2)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -77,6 +147,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     w_tma: bool = False   # load the weight tiles with TMA (host TensorDescriptor) instead of cp.async
+    widen: str = "bits"   # W8A16 with bf16 x: "bits" (_e4m3_to_bf16) or "cvt" (Triton's cast); same results
 
     def key(self) -> tuple:
         return tuple(asdict(self).values())
@@ -176,14 +247,16 @@ def _lora_gemm_kernel(
     stride_bn, stride_br,                     # shared by every B slice
     stride_gs, stride_gn,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, RED_UNROLL: tl.constexpr,
     WIDEN_W: tl.constexpr,      # W8A16: widen the e4m3 tile to x's dtype in registers (else FP8 MMA)
+    WIDEN_ASM: tl.constexpr,    # ... with _e4m3_to_bf16 (bf16 x, compiled GPU code only) instead of .to()
     SCALE_W: tl.constexpr,      # 0 none, 1 per output column (epilogue), 2 per reduction index (main loop)
     HAS_XS: tl.constexpr,       # per-token activation scale (W8A8)
     HAS_LORA: tl.constexpr, N_SLICES: tl.constexpr, BLOCK_R: tl.constexpr,
     ALL_SLOT0: tl.constexpr,    # no metadata: every row uses slot 0 (trainer)
     GATHER: tl.constexpr,       # tile rows through the adapter-sorted permutation
     HAS_G: tl.constexpr, HAS_BIAS: tl.constexpr, LORA_PREC: tl.constexpr, LORA_DT: tl.constexpr,
+    PIPE_SLOTS: tl.constexpr,   # epilogue variant for many adapters (h loaded once, next B prefetched); same bits
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_PDL: tl.constexpr, PDL_WAIT_EARLY: tl.constexpr,
     W_TMA: tl.constexpr,        # weight tiles through TMA (w_ptr is a descriptor with block [BLOCK_N, BLOCK_K])
@@ -245,6 +318,8 @@ def _lora_gemm_kernel(
                 # backward dx: the scale runs along the reduction; s_w·q is rounded to x's dtype here
                 sw_k = tl.load(sw_ptr + k + offs_k, mask=(k + offs_k) < K, other=0.0)
                 wv = (w.to(tl.float32) * sw_k[None, :]).to(xt.dtype)
+            elif WIDEN_ASM:
+                wv = _e4m3_to_bf16(w)                             # exact, no F2F (bf16 x only)
             else:
                 wv = w.to(xt.dtype)                               # exact: e4m3 codes fit bf16/fp16
             acc = tl.dot(wv, xt, acc)
@@ -265,8 +340,14 @@ def _lora_gemm_kernel(
         if done != SPLIT_K - 1:
             return
         acc = tl.load(p_ptrs, cache_modifier=".cg")
-        for s in range(1, SPLIT_K):
-            acc += tl.load(p_ptrs + s * part_stride, cache_modifier=".cg")
+        if RED_UNROLL:
+            # all partial loads in flight at once (one L2 round trip, not one per split); same additions in
+            # the same order as the rolled loop
+            for s in tl.static_range(1, SPLIT_K):
+                acc += tl.load(p_ptrs + s * part_stride, cache_modifier=".cg")
+        else:
+            for s in range(1, SPLIT_K):
+                acc += tl.load(p_ptrs + s * part_stride, cache_modifier=".cg")
         tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     # ---- epilogue: scales, LoRA (per slice, per slot), DoRA g, bias, one rounding
@@ -311,27 +392,52 @@ def _lora_gemm_kernel(
             if (tile_lo < hi) & (tile_lo + BLOCK_N > lo):
                 col_ok = (offs_n >= lo) & (offs_n < hi)
                 col = tl.where(col_ok, offs_n - lo, 0).to(tl.int64)
-                cur = tl.min(tl.where(slots >= 0, slots, _BIG))
-                while cur < _BIG:
-                    sel = slots == cur
-                    hT = tl.load(h_ptr + i * stride_hl + rows64[None, :] * stride_hm + offs_r[:, None] * stride_hr,
-                                 mask=sel[None, :] & r_ok[:, None], other=0.0)                 # [BR, BM] fp32
-                    bt = tl.load(b_ptr + cur.to(tl.int64) * stride_bs + col[:, None] * stride_bn
-                                 + offs_r[None, :] * stride_br,
-                                 mask=col_ok[:, None] & r_ok[None, :], other=0.0)             # [BN, BR]
-                    if LORA_PREC == "bf16x2" or LORA_PREC == "bf16":
-                        b16 = bt.to(LORA_DT)
-                        h_hi = hT.to(LORA_DT)
-                        acc = tl.dot(b16, h_hi, acc)
-                        if LORA_PREC == "bf16x2":
-                            acc = tl.dot(b16, (hT - h_hi.to(tl.float32)).to(LORA_DT), acc)
-                    else:
-                        acc = tl.dot(bt.to(tl.float32), hT, acc, input_precision=LORA_PREC)
+                b_tile = b_ptr + col[:, None] * stride_bn + offs_r[None, :] * stride_br          # [BN, BR]
+                b_mask = col_ok[:, None] & r_ok[None, :]
+                h_tile = h_ptr + i * stride_hl + rows64[None, :] * stride_hm + offs_r[:, None] * stride_hr
+                if ALL_SLOT0:
+                    # one slot for every row (the trainer): no loop
+                    hT = tl.load(h_tile, mask=m_ok[None, :] & r_ok[:, None], other=0.0)          # [BR, BM] fp32
+                    bt = tl.load(b_tile, mask=b_mask, other=0.0)
+                    acc = _lora_mma(acc, bt, hT, LORA_PREC, LORA_DT)
                     if HAS_G:
-                        gv = tl.load(g_ptr + cur.to(tl.int64) * stride_gs + offs_n * stride_gn, mask=col_ok,
-                                     other=1.0)
-                        acc = tl.where(sel[None, :] & col_ok[:, None], acc * gv[:, None], acc)
-                    cur = tl.min(tl.where(slots > cur, slots, _BIG))
+                        gv = tl.load(g_ptr + offs_n * stride_gn, mask=col_ok, other=1.0)
+                        acc = tl.where(m_ok[None, :] & col_ok[:, None], acc * gv[:, None], acc)
+                elif not PIPE_SLOTS:
+                    # one adapter (at most the -1 segment beside it): per slot, masked loads of h and B (the
+                    # fewest registers, which keeps small-T tiles at 3 programs per SM)
+                    cur = tl.min(tl.where(slots >= 0, slots, _BIG))
+                    while cur < _BIG:
+                        sel = slots == cur
+                        hT = tl.load(h_tile, mask=sel[None, :] & r_ok[:, None], other=0.0)
+                        bt = tl.load(b_tile + cur.to(tl.int64) * stride_bs, mask=b_mask, other=0.0)
+                        acc = _lora_mma(acc, bt, hT, LORA_PREC, LORA_DT)
+                        if HAS_G:
+                            gv = tl.load(g_ptr + cur.to(tl.int64) * stride_gs + offs_n * stride_gn, mask=col_ok,
+                                         other=1.0)
+                            acc = tl.where(sel[None, :] & col_ok[:, None], acc * gv[:, None], acc)
+                        cur = tl.min(tl.where(slots > cur, slots, _BIG))
+                else:
+                    # many adapters: a tile meets up to BLOCK_M slots. h is loaded once per slice (every row
+                    # with an adapter) and each slot selects its rows in registers (the other rows are 0,
+                    # exactly as with a masked load); the next slot's B tile is loaded before this slot's
+                    # MMAs, so the slots cost one memory round trip in total instead of two each.
+                    hT = tl.load(h_tile, mask=(slots >= 0)[None, :] & r_ok[:, None], other=0.0)
+                    cur = tl.min(tl.where(slots >= 0, slots, _BIG))
+                    bt = tl.load(b_tile + tl.where(cur < _BIG, cur, 0).to(tl.int64) * stride_bs,
+                                 mask=b_mask & (cur < _BIG), other=0.0)
+                    while cur < _BIG:
+                        nxt = tl.min(tl.where(slots > cur, slots, _BIG))
+                        bt_next = tl.load(b_tile + tl.where(nxt < _BIG, nxt, 0).to(tl.int64) * stride_bs,
+                                          mask=b_mask & (nxt < _BIG), other=0.0)
+                        sel = slots == cur
+                        acc = _lora_mma(acc, bt, tl.where(sel[None, :], hT, 0.0), LORA_PREC, LORA_DT)
+                        if HAS_G:
+                            gv = tl.load(g_ptr + cur.to(tl.int64) * stride_gs + offs_n * stride_gn, mask=col_ok,
+                                         other=1.0)
+                            acc = tl.where(sel[None, :] & col_ok[:, None], acc * gv[:, None], acc)
+                        bt = bt_next
+                        cur = nxt
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n_ld).to(tl.float32)[:, None]
@@ -470,6 +576,8 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     cfg = config or gemm_config(mode, M, N, K, dev, transposed=w_scale_axis == "reduction")
     if cfg.block_m < 16 or cfg.block_n < 16 or cfg.block_k < 16:
         raise ValueError(f"rlfp8.kernels.{OP}: tile dims must be >= 16 (tl.dot), got {cfg}")
+    if cfg.widen not in ("bits", "cvt"):
+        raise ValueError(f"rlfp8.kernels.{OP}: config widen must be 'bits' or 'cvt', got {cfg}")
     has_lora = slices is not None and not (meta is not None and meta.no_lora)
     gather = (meta is not None and has_lora) if gather is None else (gather and meta is not None)
     m_tiles, n_tiles = cdiv(M, cfg.block_m), cdiv(N, cfg.block_n)
@@ -492,9 +600,17 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
         hst = h.stride()
     else:
         L, ends, b_ptrs, r, bst, hst = 1, [N, N, N], [dummy] * 3, 0, (0, 0, 0, 0, 0), (0, 0, 0)
+    # the slot-pipelined epilogue pays off with several adapters per tile; at 256-token tiles it would spill
+    pipe_slots = has_lora and meta is not None and meta.num_active > 2 and cfg.block_m <= 128
+    if _PIPE_SLOTS_OVERRIDE is not None and has_lora and meta is not None:     # tests: both variants, same bits
+        pipe_slots = _PIPE_SLOTS_OVERRIDE
+    # the split-K sum unrolled while the partials (BLOCK_N x BLOCK_M fp32 per split) fit in ~64 registers/thread
+    red_unroll = cfg.block_n * cfg.block_m * (cfg.split_k - 1) <= 64 * 32 * cfg.num_warps
     slot_t = meta.token_lora_mapping if (has_lora and meta is not None) else dummy
     perm_t = meta.token_indices_sorted_by_lora_ids if gather else dummy
     scale_w = 0 if w_scale is None else (2 if w_scale_axis == "reduction" else 1)
+    widen_asm = (mode == "w8a16" and x.dtype == torch.bfloat16 and scale_w != 2 and cfg.widen == "bits"
+                 and W8A16_WIDEN == "bits" and not dispatch.triton_interpreting())
     w_arg, w_tma = q, False
     if cfg.w_tma:
         # TMA needs a K-contiguous weight with 16-byte aligned base and rows (true for the stored codes;
@@ -513,8 +629,9 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
            hst[0], hst[1], hst[2], *bst,
            g.stride(0) if g is not None else 0, g.stride(1) if g is not None else 0,
            BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-           GROUP_M=cfg.group_m, WIDEN_W=mode == "w8a16", SCALE_W=scale_w, HAS_XS=mode == "w8a8",
-           HAS_LORA=has_lora, N_SLICES=L, BLOCK_R=max(16, next_pow2(r)), ALL_SLOT0=meta is None,
+           GROUP_M=cfg.group_m, RED_UNROLL=red_unroll, WIDEN_W=mode == "w8a16", WIDEN_ASM=widen_asm,
+           SCALE_W=scale_w, HAS_XS=mode == "w8a8", HAS_LORA=has_lora, N_SLICES=L, PIPE_SLOTS=pipe_slots,
+           BLOCK_R=max(16, next_pow2(r)), ALL_SLOT0=meta is None,
            GATHER=bool(gather), HAS_G=g is not None and has_lora, HAS_BIAS=bias is not None,
            LORA_PREC=lora_precision, LORA_DT=_lora_dt(slices[0].dtype if has_lora else None),
            EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,

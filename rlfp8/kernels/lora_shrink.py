@@ -8,12 +8,18 @@ Shapes (T tokens, K input features, S slots, r rank, L slices: 3 for qkv, 2 for 
   quant "div"|"recip" (W8A8): also x_q [T, K] float8_e4m3fn and x_scale [T, 1] fp32, bit-equal to
   fp8.quantize_activation_ref (same row helpers as rlfp8.kernels.fp8_triton).
 
-Triton kernel: grid (SPLIT_K · ⌈T/BLOCK_M⌉, L [+1 quant column], segments). A program takes BLOCK_M rows of
-one adapter segment (rows gathered through token_indices_sorted_by_lora_ids, so one A is read per program)
-and a 1/SPLIT_K share of K. With SPLIT_K > 1 every program writes its fp32 partial to a workspace and the
-last one of its tile (atomic counter, reset afterwards) sums the partials in split order: deterministic, so
-the engine's call and the trainer's forward produce the same h bit for bit. The quant column's programs
-(pid_sk = 0 only) quantize the rows of their segment tile, the -1 segment included.
+Triton kernel, one 1-D launch of two kinds of programs:
+  * W8A8 only, first: ⌈T/QBLOCK_M⌉ quantization programs, each quantizing QBLOCK_M consecutive tokens over
+    the full K (one row per program for K >= 4096; one pass over x when K <= 4096), in token order: the
+    quantization does not depend on the adapters, so it needs neither the segments nor the split.
+    (The first version quantized in an extra grid column, one program per (segment, row tile), BLOCK_M rows
+    each over all of K: at T = 64 a single program streamed all of x twice, latency-bound, and with 32
+    adapters every program carried mostly padding rows: 0.3-2 ms per layer on the H200.)
+  * SPLIT_K · ⌈T/BLOCK_M⌉ · L · segments shrink programs (split index fastest). A program takes BLOCK_M rows
+    of one adapter segment (rows gathered through token_indices_sorted_by_lora_ids, so one A is read per
+    program) and a 1/SPLIT_K share of K. With SPLIT_K > 1 every program writes its fp32 partial to a
+    workspace and the last one of its tile (atomic counter, reset afterwards) sums the partials in split
+    order: deterministic, so the engine's call and the trainer's forward produce the same h bit for bit.
 `meta=None` means every token uses slot 0 (the trainer's one-adapter call): no metadata, same arithmetic.
 
 Config (BLOCK_M, BLOCK_K, SPLIT_K) depends on (T, K, r) only (SPLIT_K on (T, K)), never on the adapter
@@ -32,7 +38,7 @@ from . import dispatch
 from ._triton_utils import (cdiv, check_pdl, check_tensor, launch, next_pow2, require_triton_device,
                             split_counters, stacked_view)
 from .fp8 import ACT_ROUNDING, FP8_DTYPE, quantize_activation_ref
-from .fp8_triton import ROUNDING_CODE, _quant_rows_tile, quantize_rows_triton
+from .fp8_triton import ROUNDING_CODE, _quant_config, _quant_rows_tile, quantize_rows_triton
 from .metadata import LoRAMeta
 
 OP = "lora_shrink"
@@ -55,42 +61,64 @@ class ShrinkConfig:
 
 
 def shrink_config(M: int, K: int, r: int) -> ShrinkConfig:
-    """Heuristic per token bucket. Small T: few rows, long K slices streamed by many programs (split-K);
-    large T: 64-row tiles, no split (enough programs already)."""
+    """Heuristic per token count. Small T: small row tiles and split-K, so that ~100+ programs each stream a
+    short K range (the shrink is a latency problem: at T = 64 it moves ~2 MiB); large T: 64-row tiles.
+
+    The split depends on (T, K) only, never on r: the engine's slots are padded to max_lora_rank, the
+    trainer's adapter is not, and the same split (= the same summation order) keeps their h bit-identical.
+    BLOCK_M depends on T only (it picks the MMA instruction); BLOCK_K only regroups the k16 MMA steps, which
+    every dot issues in k order.
+    num_stages never exceeds the iterations of one split (2 iterations need 2 buffers, not 3), which keeps
+    shared memory at <= ~100 KiB so that two programs fit on an SM."""
     br = max(16, next_pow2(r))
-    bm = 16 if M <= 16 else 32 if M <= 32 else 64
-    if M <= 64:
+    bm = 16 if M <= 16 else 32 if M <= 256 else 64
+    if M <= 16:
         bk = 256 if br <= 64 else 128
+    elif M <= 256:
+        bk = 128
     else:
         bk = 64
     m_tiles = cdiv(M, bm)
-    # the split must not depend on r: the engine's slots are padded to max_lora_rank, the trainer's adapter
-    # is not, and the same split (= same summation order) keeps their h bit-identical
-    split = max(1, min(K // 512, cdiv(128, m_tiles), 16))
-    return ShrinkConfig(bm, bk, split, num_warps=4, num_stages=3 if bk * br <= 16384 else 2)
+    split = max(1, min(K // 512, cdiv(128, m_tiles), 8))
+    iters = cdiv(cdiv(K, bk), split)
+    stages = max(1, min(3, iters))
+    while stages > 1 and stages * (bm + br) * bk * 2 > 100 * 1024:
+        stages -= 1
+    return ShrinkConfig(bm, bk, split, num_warps=4, num_stages=stages)
 
 
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, h_ptr, xq_ptr, xs_ptr, ws_ptr, cnt_ptr,
     sorted_ptr, ntok_ptr, start_ptr, ids_ptr,
-    M, K, R, m_tiles,
+    M, K, R, m_tiles, n_quant,
     stride_xm, stride_xk,
     stride_as, stride_ar, stride_ak,          # A slices share strides: [S, r, K]
     stride_hl, stride_hm, stride_hr,          # h [L, T, r]
     stride_qm, stride_qk, stride_xs,          # x_q [T, K], x_scale [T]
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    N_SLICES: tl.constexpr, ALL_SLOT0: tl.constexpr, QUANT: tl.constexpr, QBLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    N_SLICES: tl.constexpr, ALL_SLOT0: tl.constexpr, QUANT: tl.constexpr, QBLOCK_M: tl.constexpr,
+    QBLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, RED_UNROLL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pid0 = tl.program_id(0)
-    slice_id = tl.program_id(1)
-    seg = tl.program_id(2)
-    pid_sk = pid0 % SPLIT_K
-    pid_m = pid0 // SPLIT_K
+    # 1-D grid: [n_quant quantization programs (W8A8 only)] + [SPLIT_K x m_tiles x N_SLICES x segments shrink
+    # programs], split index fastest.
+    pid = tl.program_id(0)
     if USE_PDL:
-        # Let the dependent K2 launch start its main loop now; it waits (gdc_wait) before reading h.
+        # Let the dependent K2 launch start its main loop now; it waits (gdc_wait) before reading h / x_q.
         tl.extra.cuda.gdc_launch_dependents()
+    if QUANT != 0:
+        if pid < n_quant:
+            # per-token quantization of QBLOCK_M consecutive rows (token order: it does not depend on the
+            # adapters), the same row helper and config as the stand-alone quantizer
+            qrows = pid * QBLOCK_M + tl.arange(0, QBLOCK_M)
+            _quant_rows_tile(x_ptr, xq_ptr, xs_ptr, qrows, qrows < M, K, stride_xm, stride_xk, stride_qm,
+                             stride_qk, stride_xs, QBLOCK_M, QBLOCK_K, QUANT)
+    is_shrink = pid >= n_quant
+    p = tl.maximum(pid - n_quant, 0)          # quantization programs decode as shrink program 0, then skip it
+    pid_sk = p % SPLIT_K
+    pid_m = (p // SPLIT_K) % m_tiles
+    slice_id = (p // (SPLIT_K * m_tiles)) % N_SLICES
+    seg = p // (SPLIT_K * m_tiles * N_SLICES)
     offs_m = tl.arange(0, BLOCK_M)
     m0 = pid_m * BLOCK_M
     if ALL_SLOT0:
@@ -104,63 +132,64 @@ def _lora_shrink_kernel(
         seg_start = tl.load(start_ptr + seg)
         row_ok = m0 + offs_m < n_seg
         rows = tl.load(sorted_ptr + seg_start + m0 + offs_m, mask=row_ok, other=0)   # token ids [BM]
-    if m0 < n_seg:
-        if slice_id == N_SLICES:
-            # quantization column (only launched when QUANT != 0): full rows, once per tile.
-            if pid_sk == 0:
-                _quant_rows_tile(x_ptr, xq_ptr, xs_ptr, rows, row_ok, K, stride_xm, stride_xk, stride_qm,
-                                 stride_qk, stride_xs, BLOCK_M, QBLOCK_K, QUANT)
-        elif lora_id >= 0:
-            a_ptr = a0_ptr
-            if N_SLICES > 1:
-                if slice_id == 1:
-                    a_ptr = a1_ptr
-            if N_SLICES > 2:
-                if slice_id == 2:
-                    a_ptr = a2_ptr
-            # This program's K range: whole BLOCK_K chunks, SPLIT_K contiguous shares.
-            k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-            k_lo = tl.multiple_of(pid_sk * k_per, BLOCK_K)
-            k_hi = tl.minimum(K, k_lo + k_per)
-            offs_r = tl.arange(0, BLOCK_R)
-            offs_k = tl.arange(0, BLOCK_K)
-            r_ok = offs_r < R
-            rows64 = rows.to(tl.int64)
-            x_ptrs = x_ptr + rows64[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk     # [BM, BK]
-            a_ptrs = (a_ptr + lora_id.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar
-                      + (k_lo + offs_k)[None, :] * stride_ak)                                      # [BR, BK]
-            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k in range(k_lo, k_hi, BLOCK_K):
-                if EVEN_K:
-                    xt = tl.load(x_ptrs)
-                    at = tl.load(a_ptrs, mask=r_ok[:, None], other=0.0)
-                else:
-                    k_ok = (k + offs_k) < K
-                    xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-                    at = tl.load(a_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-                acc = tl.dot(xt, tl.trans(at), acc)                                                # [BM, BR]
-                x_ptrs += BLOCK_K * stride_xk
-                a_ptrs += BLOCK_K * stride_ak
-            h_ptrs = h_ptr + slice_id * stride_hl + rows64[:, None] * stride_hm + offs_r[None, :] * stride_hr
-            h_mask = row_ok[:, None] & r_ok[None, :]
-            if SPLIT_K == 1:
-                tl.store(h_ptrs, acc, mask=h_mask)
+    if is_shrink & (m0 < n_seg) & (lora_id >= 0):
+        a_ptr = a0_ptr
+        if N_SLICES > 1:
+            if slice_id == 1:
+                a_ptr = a1_ptr
+        if N_SLICES > 2:
+            if slice_id == 2:
+                a_ptr = a2_ptr
+        # This program's K range: whole BLOCK_K chunks, SPLIT_K contiguous shares.
+        k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_lo = tl.multiple_of(pid_sk * k_per, BLOCK_K)
+        k_hi = tl.minimum(K, k_lo + k_per)
+        offs_r = tl.arange(0, BLOCK_R)
+        offs_k = tl.arange(0, BLOCK_K)
+        r_ok = offs_r < R
+        rows64 = rows.to(tl.int64)
+        x_ptrs = x_ptr + rows64[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk     # [BM, BK]
+        a_ptrs = (a_ptr + lora_id.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar
+                  + (k_lo + offs_k)[None, :] * stride_ak)                                      # [BR, BK]
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k in range(k_lo, k_hi, BLOCK_K):
+            if EVEN_K:
+                xt = tl.load(x_ptrs)
+                at = tl.load(a_ptrs, mask=r_ok[:, None], other=0.0)
             else:
-                # workspace [SPLIT_K, L, T, BLOCK_R] fp32, indexed by token row (each row is in one tile).
-                ws_row = ws_ptr + (slice_id * M + rows64)[:, None] * BLOCK_R + offs_r[None, :]
-                part_stride = N_SLICES * M * BLOCK_R
-                tl.store(ws_row + pid_sk * part_stride, acc, mask=row_ok[:, None])
-                tl.debug_barrier()
-                tile_id = (seg * N_SLICES + slice_id) * m_tiles + pid_m
-                done = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
-                if done == SPLIT_K - 1:
-                    # Last program of this tile: sum the partials in split order (deterministic).
-                    acc = tl.load(ws_row, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+                k_ok = (k + offs_k) < K
+                xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+                at = tl.load(a_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(xt, tl.trans(at), acc)                                                # [BM, BR]
+            x_ptrs += BLOCK_K * stride_xk
+            a_ptrs += BLOCK_K * stride_ak
+        h_ptrs = h_ptr + slice_id * stride_hl + rows64[:, None] * stride_hm + offs_r[None, :] * stride_hr
+        h_mask = row_ok[:, None] & r_ok[None, :]
+        if SPLIT_K == 1:
+            tl.store(h_ptrs, acc, mask=h_mask)
+        else:
+            # workspace [SPLIT_K, L, T, BLOCK_R] fp32, indexed by token row (each row is in one tile).
+            ws_row = ws_ptr + (slice_id * M + rows64)[:, None] * BLOCK_R + offs_r[None, :]
+            part_stride = N_SLICES * M * BLOCK_R
+            tl.store(ws_row + pid_sk * part_stride, acc, mask=row_ok[:, None])
+            tl.debug_barrier()
+            tile_id = (seg * N_SLICES + slice_id) * m_tiles + pid_m
+            done = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT_K - 1:
+                # Last program of this tile: sum the partials in split order (deterministic). Unrolled when
+                # the partials fit in registers, so that all their loads are in flight at once (a rolled
+                # loop waits one L2 round trip per split); same additions in the same order either way.
+                acc = tl.load(ws_row, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+                if RED_UNROLL:
+                    for s in tl.static_range(1, SPLIT_K):
+                        acc += tl.load(ws_row + s * part_stride, mask=row_ok[:, None], other=0.0,
+                                       cache_modifier=".cg")
+                else:
                     for s in range(1, SPLIT_K):
                         acc += tl.load(ws_row + s * part_stride, mask=row_ok[:, None], other=0.0,
                                        cache_modifier=".cg")
-                    tl.store(h_ptrs, acc, mask=h_mask)
-                    tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+                tl.store(h_ptrs, acc, mask=h_mask)
+                tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
 
 
 def _slices(A) -> list[torch.Tensor]:
@@ -254,17 +283,24 @@ def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: 
         md = (meta.token_indices_sorted_by_lora_ids, meta.num_tokens_per_lora, meta.lora_token_start_loc,
               meta.active_lora_ids)
     a_ptrs = A3 + [A3[0]] * (3 - L)
-    qbk = max(16, min(next_pow2(K), 8192 // cfg.block_m))
-    grid = (cfg.split_k * m_tiles, L + (1 if quant else 0), n_seg)
+    if quant:
+        qbm, qbk, _ = _quant_config(M, K)
+        n_quant = cdiv(M, qbm)
+    else:
+        qbm, qbk, n_quant = 1, 16, 0
+    # unroll the split-K reduction while the partials (BLOCK_M x BLOCK_R fp32 per split) stay within ~128
+    # registers per thread
+    red_unroll = cfg.block_m * br * (cfg.split_k - 1) <= 128 * 32 * cfg.num_warps
+    grid = (n_quant + cfg.split_k * m_tiles * L * n_seg,)
     launch(_lora_shrink_kernel, grid,
            x, *a_ptrs, h, xq if quant else h, xs if quant else h, ws, cnt, *md,
-           M, K, r, m_tiles,
+           M, K, r, m_tiles, n_quant,
            x.stride(0), x.stride(1), a_st[0], a_st[1], a_st[2],
            h.stride(0), h.stride(1), h.stride(2),
            xq.stride(0) if quant else 0, xq.stride(1) if quant else 0, xs.stride(0) if quant else 0,
            BLOCK_M=cfg.block_m, BLOCK_R=br, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, N_SLICES=L,
-           ALL_SLOT0=meta is None, QUANT=ROUNDING_CODE[quant] if quant else 0, QBLOCK_K=qbk,
-           EVEN_K=K % cfg.block_k == 0, USE_PDL=use_pdl,
+           ALL_SLOT0=meta is None, QUANT=ROUNDING_CODE[quant] if quant else 0, QBLOCK_M=qbm, QBLOCK_K=qbk,
+           EVEN_K=K % cfg.block_k == 0, RED_UNROLL=red_unroll, USE_PDL=use_pdl,
            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
     return ShrinkOut(h, xq, xs)
 

@@ -1,8 +1,10 @@
 """GPU tier for rlfp8.kernels (marked gpu; skipped without CUDA). Qwen3-8B projection shapes, tokens
 M in {1, 7, 16, 33, 128, 1000, 4096}, ranks 16/64/128, 1/4/32 adapters with some tokens without adapter,
-both engine modes: kernels against fp64 math; quantization bit-equal to the references and to vLLM's
-dynamic_per_token_scaled_fp8_quant; the matched property (engine W8A16 call and trainer forward
-bit-identical on the same rows); the training linear's forward and backward against LoRALinearRef.
+both engine modes: kernels against fp64 math; quantization bit-equal to the references (CUDA and CPU), to
+IEEE amax/448 and to vLLM's dynamic_per_token_scaled_fp8_quant; the matched property (engine W8A16 call and
+trainer forward bit-identical on the same rows); the two W8A16 widenings and the two multi-adapter epilogue
+variants bit-identical; the training linear's forward and backward against LoRALinearRef, with allocation
+sizes showing that no weight is copied.
 
 All kernels the cases need are compiled up front in parallel (rlfp8.kernels._triton_utils.precompile), so
 the module runs in about a minute or two on an H200:
@@ -11,6 +13,7 @@ the module runs in about a minute or two on an H200:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 
 import pytest
@@ -131,6 +134,10 @@ def _warm():
             test_tma_weight_loads(shape, M, r, S, mode)
         for shape, M in [("qkv", 128), ("down", 16)]:
             test_dora_g(shape, M)
+        for shape, M in [("qkv", 16), ("gate_up", 64), ("down", 256), ("o", 2048)]:
+            test_w8a16_widening_bits_equal_cvt(shape, M)
+        for mode in ("w8a16", "w8a8"):
+            _epilogue_variants(mode)
         for shape, M in MATCHED:
             _matched_outputs(shape, M)
         for shape, M in TRAIN:
@@ -148,6 +155,18 @@ def _warm():
 
 
 # ---------------------------------------------------------------------------------------------- quantization
+def _ieee_scale(x):
+    """max(amax/448, 1/(448*512)) with the fp32 division correctly rounded: the fp64 quotient of two fp32
+    numbers rounded to fp32 is the IEEE fp32 quotient (53 >= 2*24 + 2, no double-rounding error)."""
+    amax = x.abs().amax(dim=-1).double()
+    return torch.clamp((amax / 448.0).float(), min=fp8.MIN_SCALE)
+
+
+def _diff(a, b):
+    return int((a.view(torch.uint8) != b.view(torch.uint8)).sum()) if a.dtype == fp8.FP8_DTYPE else \
+        int((a != b).sum())
+
+
 @pytest.mark.parametrize("M,K", [(1, 4096), (7, 4096), (1000, 12288), (4096, 4096)])
 @pytest.mark.parametrize("rounding", ["div", "recip"])
 def test_activation_quant_bit_exact(M, K, rounding):
@@ -156,7 +175,14 @@ def test_activation_quant_bit_exact(M, K, rounding):
     x[0, :7] = 0
     q, s = quantize_activation_triton(x, rounding)
     qr, sr = fp8.quantize_activation_ref(x, rounding)
-    assert torch.equal(s, sr) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    qc, sc = fp8.quantize_activation_ref(x.cpu(), rounding)
+    oracle = _ieee_scale(x)[:, None]
+    # which side is wrong, if any: the Triton kernel, the CUDA reference, or the CPU reference
+    assert torch.equal(s, oracle), f"Triton scale: {_diff(s, oracle)} of {M} rows differ from IEEE amax/448"
+    assert torch.equal(sr, oracle), f"CUDA reference scale: {_diff(sr, oracle)} rows differ from IEEE amax/448"
+    assert torch.equal(sc, oracle.cpu()), "CPU reference scale differs from IEEE amax/448"
+    assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)), f"{_diff(q, qr)} codes differ"
+    assert torch.equal(qr.view(torch.uint8).cpu(), qc.view(torch.uint8)), "CUDA and CPU references differ"
 
 
 def test_weight_quant_bit_exact():
@@ -164,7 +190,9 @@ def test_weight_quant_bit_exact():
     w[5, 3] = 40.0
     q, s = quantize_weight_triton(w)
     qr, sr = fp8.quantize_weight_ref(w)
-    assert torch.equal(s, sr) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    assert torch.equal(s, _ieee_scale(w)), "Triton weight scale differs from IEEE amax/448"
+    assert torch.equal(sr, _ieee_scale(w)), "CUDA reference weight scale differs from IEEE amax/448"
+    assert torch.equal(s, sr) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8)), _diff(q, qr)
 
 
 def test_activation_quant_equals_vllm_op():
@@ -285,36 +313,107 @@ def test_matched_property_engine_w8a16_vs_trainer_forward(shape, M):
 
 
 # --------------------------------------------------------------------------------------------- training linear
+def _alloc_trace(fn):
+    """Run fn() once: (its result, peak bytes allocated above the start, sizes of all allocations it made or
+    None) from the caching allocator's counters and its allocation history."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        kw = dict(context=None, max_entries=100_000)            # no tracebacks: cheap to record and to snapshot
+        if "clear_history" in inspect.signature(torch.cuda.memory._record_memory_history).parameters:
+            kw["clear_history"] = True
+        torch.cuda.memory._record_memory_history(**kw)
+        recording = True
+    except Exception:                                   # no allocation history in this build: peaks only
+        recording = False
+    sizes = None
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+        if recording:
+            snap = torch.cuda.memory._snapshot()
+            sizes = [e["size"] for tr in snap.get("device_traces", []) for e in tr if e.get("action") == "alloc"]
+    finally:
+        if recording:
+            torch.cuda.memory._record_memory_history(enabled=None)
+    return out, torch.cuda.max_memory_allocated() - base, sizes
+
+
 @pytest.mark.parametrize("shape,M", TRAIN, ids=[s for s, _ in TRAIN])
 def test_training_linear_fwd_bwd_vs_reference(shape, M):
+    """Forward and backward against LoRALinearRef; memory: after one warm-up step (Triton compilation and the
+    cuBLAS/cuBLASLt workspaces, 32 MiB each per stream on Hopper, allocated by the first bf16 matmul: that
+    was the 32 MiB excess of the first H200 run, whose qkv case measured the first backward of the module),
+    the forward allocates nothing beyond y and small tensors, the backward nothing beyond dx and small
+    tensors, and no single allocation reaches the size of the FP8 codes (N·K bytes): a transposed FP8 copy
+    would be N·K bytes, a bf16 copy 2·N·K."""
     x, q, sw, A, B = _train_inputs(shape, M)
     s = 2.0
-    # memory: what the forward and the backward allocate beyond their outputs, against a bf16 weight copy
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    y = lora_linear_triton(x, q, sw, A, B, s)
-    torch.cuda.synchronize()
-    peak_fwd = torch.cuda.max_memory_allocated() - base - y.numel() * y.element_size()
+    N, K = q.shape
+    lora_linear_triton(x, q, sw, A, B, s).backward(torch.randn(M, N, device=DEV, dtype=torch.bfloat16))
+    x.grad = A.grad = B.grad = None
+    y, peak_fwd, sizes_fwd = _alloc_trace(lambda: lora_linear_triton(x, q, sw, A, B, s))
     dy = torch.randn_like(y)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    y.backward(dy)
-    torch.cuda.synchronize()
-    peak_bwd = torch.cuda.max_memory_allocated() - base
+    _, peak_bwd, sizes_bwd = _alloc_trace(lambda: y.backward(dy))
     got = [y.detach(), x.grad, A.grad, B.grad]
     x.grad = A.grad = B.grad = None
     yr = LoRALinearRef.apply(x, q, sw, A, B, s, None)
     yr.backward(dy)
     ref = [yr.detach(), x.grad, A.grad, B.grad]
     errs = {n: rel_err(a, b) for n, a, b in zip(("y", "dx", "dA", "dB"), got, ref)}
-    bf16_weight = q.numel() * 2
-    print(f"  {shape} T={M}: rel err vs LoRALinearRef {errs}; extra memory fwd {peak_fwd / 2**20:.1f} MiB, "
-          f"bwd {peak_bwd / 2**20:.1f} MiB (incl. dx {x.numel() * 2 / 2**20:.1f} MiB); a bf16 weight copy "
-          f"would be {bf16_weight / 2**20:.1f} MiB")
+    fp8_bytes, y_bytes, dx_bytes = q.numel(), y.numel() * 2, x.numel() * 2
+    biggest = max(sizes_fwd + sizes_bwd) if sizes_fwd is not None and sizes_bwd is not None else None
+    mib = 2 ** 20
+    print(f"  {shape} T={M}: rel err vs LoRALinearRef {errs}; fwd peak {peak_fwd / mib:.1f} MiB (y "
+          f"{y_bytes / mib:.1f}), bwd peak {peak_bwd / mib:.1f} MiB (dx {dx_bytes / mib:.1f}); largest allocation "
+          f"{'n/a' if biggest is None else f'{biggest / mib:.1f} MiB'}; FP8 codes {fp8_bytes / mib:.1f} MiB, a bf16 "
+          f"copy {2 * fp8_bytes / mib:.1f} MiB")
     assert all(e < 1e-2 for e in errs.values()), errs
-    assert max(peak_fwd, peak_bwd) < bf16_weight / 2, "allocated something the size of a 16-bit weight copy"
+    assert peak_fwd - y_bytes < fp8_bytes / 2, "the forward allocated something weight-sized besides y"
+    assert peak_bwd - dx_bytes < fp8_bytes / 2, "the backward allocated something weight-sized besides dx"
+    if biggest is not None:
+        assert biggest < fp8_bytes, f"an allocation of {biggest} bytes >= the FP8 codes ({fp8_bytes})"
+
+
+@pytest.mark.parametrize("shape,M", [("qkv", 16), ("gate_up", 64), ("down", 256), ("o", 2048)])
+def test_w8a16_widening_bits_equal_cvt(shape, M):
+    """The F2F-free widening (GemmConfig.widen="bits", inline PTX) and Triton's cast give the same bits, on
+    weights holding every finite e4m3 code (subnormals, both zeros, +-448)."""
+    K, widths, q, sw = _weights(shape)
+    codes = torch.arange(256, device=DEV, dtype=torch.int32).to(torch.uint8)
+    codes = codes[(codes != 0x7F) & (codes != 0xFF)]
+    q = q.clone()
+    q.view(torch.uint8).view(-1)[: 64 * codes.numel()] = codes.repeat(64)    # the first rows: every code
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    cfg = gemm_config("w8a16", M, q.shape[0], K, DEV)
+    y_bits = lora_gemm_triton(x, q, sw, config=dataclasses.replace(cfg, widen="bits"), out_dtype=torch.float32)
+    y_cvt = lora_gemm_triton(x, q, sw, config=dataclasses.replace(cfg, widen="cvt"), out_dtype=torch.float32)
+    if tu._collector is not None:
+        return
+    assert torch.equal(y_bits, y_cvt), f"max |diff| {(y_bits - y_cvt).abs().max().item()}"
+
+
+def _epilogue_variants(mode):
+    from rlfp8.kernels import lora_gemm as lg
+    x, q, sw, A, B, slots, meta, bias = _case_inputs("qkv", 64, 64, 32)
+    xin, xs = (x, None) if mode == "w8a16" else fp8.quantize_activation_ref(x)
+    h = lora_shrink_triton(x, A, meta).h
+    outs = []
+    try:
+        for pipe in (True, False):
+            lg._PIPE_SLOTS_OVERRIDE = pipe
+            outs.append(lora_gemm_triton(xin, q, sw, x_scale=xs, h=h, B=B, meta=meta, bias=bias))
+    finally:
+        lg._PIPE_SLOTS_OVERRIDE = None
+    return outs
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+def test_epilogue_variants_same_bits(mode):
+    """32 adapters at T = 64: the slot-pipelined epilogue and the per-slot one give the same bits."""
+    y_pipe, y_plain = _epilogue_variants(mode)
+    assert torch.equal(y_pipe, y_plain)
 
 
 def test_dispatch_auto_picks_triton_on_cuda():

@@ -65,6 +65,11 @@ def collect() -> list:
                 lora_gemm_triton(_e(M, K, dtype=FP8), q, sw, x_scale=torch.empty(M, 1), h=h, B=B, meta=meta)
                 lora_gemm_triton(x, q, sw)
                 lora_gemm_triton(_e(M, K, dtype=FP8), q, sw, x_scale=torch.empty(M, 1))
+                if M in (1, 64, 2048):        # one adapter: the epilogue without the slot pipeline
+                    meta1 = build_lora_meta(torch.zeros(M, dtype=torch.long), 1)
+                    B1 = [_e(1, n, r) for n in widths]
+                    lora_gemm_triton(x, q, sw, h=h, B=B1, meta=meta1)
+                    lora_gemm_triton(_e(M, K, dtype=FP8), q, sw, x_scale=torch.empty(M, 1), h=h, B=B1, meta=meta1)
             # the training linear at 8x1024 tokens: forward (no metadata) and backward dx (transposed codes)
             T = 8192
             x, dy = _e(T, K), _e(T, N)
@@ -80,6 +85,15 @@ def collect() -> list:
                 mode = "w8a8" if xs is not None else "w8a16"
                 cfg = dataclasses.replace(gemm_config(mode, M, N, K), w_tma=True)
                 lora_gemm_triton(xx, q, sw, x_scale=xs, config=cfg)
+        # the 64-token config the H200 tuner chose, with one adapter (a register budget the compile test checks)
+        meta1 = build_lora_meta(torch.zeros(64, dtype=torch.long), 1)
+        for xx, xs in ((_e(64, K), None), (_e(64, K, dtype=FP8), torch.empty(64, 1))):
+            lora_gemm_triton(xx, q, sw, x_scale=xs, h=torch.empty(3, 64, r),
+                             B=[_e(1, 4096, r), _e(1, 1024, r), _e(1, 1024, r)], meta=meta1,
+                             config=GemmConfig(64, 64, 128, 4, 8, 4, 4))
+        # Triton's own widening (GemmConfig.widen="cvt"), for the comparison with the bit-trick widening
+        cfg = dataclasses.replace(gemm_config("w8a16", 16, N, K), widen="cvt")
+        lora_gemm_triton(_e(16, K), q, sw, config=cfg)
         # other ranks, PDL variants
         K, N = 4096, 4096
         x, q, sw = _e(16, K), _e(N, K, dtype=FP8), torch.empty(N)
@@ -107,6 +121,49 @@ def collect() -> list:
     return out
 
 
+def _cuda_tool(name: str) -> str | None:
+    import triton
+    p = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return p if os.path.exists(p) else None
+
+
+def _sass_facts(cubin: bytes, idx: int) -> dict:
+    """Registers, spill stack and the instruction mix of the MMA main loop(s), from the cubin (cuobjdump is
+    bundled with Triton). Main loop = a backward branch whose body contains an HGMMA/QGMMA/HMMA."""
+    import subprocess
+    import tempfile
+    tool = _cuda_tool("cuobjdump")
+    if tool is None:
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=f"_{idx}.cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    out = {}
+    m = re.search(r"REG:(\d+) STACK:(\d+)", res)
+    if m:
+        out.update(regs=int(m.group(1)), stack=int(m.group(2)))
+    ins = []
+    for ln in sass.splitlines():
+        mm = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", ln)
+        if mm:
+            ins.append((int(mm.group(1), 16), mm.group(2)))
+    where = {a: i for i, (a, _) in enumerate(ins)}
+    loop_ops: dict[str, int] = {}
+    for i, (a, t) in enumerate(ins):
+        mb = re.search(r"BRA\s.*?0x([0-9a-f]+)", t)
+        if mb and int(mb.group(1), 16) < a and int(mb.group(1), 16) in where:
+            body = [re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0]
+                    for _, b in ins[where[int(mb.group(1), 16)]:i + 1]]
+            if any(op in ("HGMMA", "QGMMA", "HMMA") for op in body):
+                for op in body:
+                    loop_ops[op] = loop_ops.get(op, 0) + 1
+    out["mma_loop_f2f"] = loop_ops.get("F2F", 0)
+    out["mma_loop_ops"] = sum(loop_ops.values())
+    return out
+
+
 def _check(item):
     idx, spec = item
     t0 = time.time()
@@ -116,12 +173,15 @@ def _check(item):
         return dict(idx=idx, name=spec["name"], ok=False, error=f"{type(e).__name__}: {str(e)[:3000]}")
     ptx = k.asm["ptx"]
     wg = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
-    return dict(
+    facts = _sass_facts(k.asm["cubin"], idx)
+    return dict(**facts,
         idx=idx, name=spec["name"], ok=True, seconds=round(time.time() - t0, 2),
         shared=k.metadata.shared, num_warps=k.metadata.num_warps, num_stages=spec["options"].get("num_stages"),
         wgmma=bool(wg),
         wgmma_reg_a=any(re.search(r"\}, \{%r", ln) for ln in wg if ".bf16.bf16" in ln or ".f16.f16" in ln),
         mma_sync="mma.sync" in ptx, div_rn="div.rn.f32" in ptx, div_full="div.full.f32" in ptx,
+        div_approx=bool(re.search(r"div\.approx|rcp\.approx|ex2\.approx", ptx)),
+        widen_bits="fma.rn.bf16x2" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx,
         cvt_e4m3="cvt.rn.satfinite.e4m3x2.f32" in ptx, gdc_wait="griddepcontrol.wait" in ptx,
         gdc_launch="griddepcontrol.launch_dependents" in ptx, tma="cp.async.bulk.tensor" in ptx,
         cubin_bytes=len(k.asm["cubin"]))

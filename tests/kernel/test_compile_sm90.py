@@ -2,7 +2,9 @@
 the host code uses on an H200, without a GPU: in a subprocess without TRITON_INTERPRET (the interpreter
 replaces @triton.jit at decoration time). Checks what the interpreter cannot: wgmma in the GEMMs (the
 widened FP8 tile as wgmma's register A operand in W8A16), IEEE division and the saturating e4m3 cast in
-the quantizers, the PDL instructions where asked, and shared memory within the sm_90 limit."""
+the quantizers, the PDL instructions where asked, and shared memory within the sm_90 limit; from the cubin
+(cuobjdump, bundled with Triton): no F2F conversion in the W8A16 MMA loops and no register spills where
+occupancy matters."""
 import json
 import os
 import subprocess
@@ -51,11 +53,48 @@ def test_gemms_use_wgmma_with_register_a_in_w8a16(compiled):
 
 
 def test_quantizers_ieee_division_and_saturating_cast(compiled):
+    """Bit-exactness with vLLM's CUDA op rests on IEEE division: `/` on fp32 in Triton is div.full.f32 (2 ulp),
+    so the quantizers use div_rn; no approximate division or reciprocal may appear anywhere in them."""
     quant = [r for r in compiled if r["name"] == "_quant_rows_kernel"
              or (r["name"] == "_lora_shrink_kernel" and r["constexprs"]["QUANT"])]
-    assert quant
+    assert {r["constexprs"]["QUANT" if "QUANT" in r["constexprs"] else "ROUNDING"] for r in quant} >= {1, 2}
     for r in quant:
-        assert r["div_rn"] and not r["div_full"] and r["cvt_e4m3"], r
+        assert r["div_rn"] and not r["div_full"] and not r["div_approx"] and r["cvt_e4m3"], r
+
+
+def test_w8a16_widening_avoids_f2f(compiled):
+    """W8A16 bf16 kernels widen e4m3 with the bit trick (no F2F, 16/clk/SM on sm_90) in their MMA main loop;
+    Triton's own cast (widen="cvt") has one F2F per weight element there."""
+    gemms = [r for r in compiled if r["name"] == "_lora_gemm_kernel" and r["constexprs"]["WIDEN_W"]]
+    bits = [r for r in gemms if r["constexprs"]["WIDEN_ASM"]]
+    dx = [r for r in gemms if r["constexprs"]["SCALE_W"] == 2]         # scales in fp32 first: e4m3 -> f32, no F2F
+    cvt = [r for r in gemms if not r["constexprs"]["WIDEN_ASM"] and r["constexprs"]["SCALE_W"] != 2]
+    assert len(bits) >= 20 and cvt and dx
+    assert all(r["widen_bits"] for r in bits)
+    if "mma_loop_f2f" in bits[0]:                                      # cuobjdump available (bundled)
+        assert all(r["mma_loop_f2f"] == 0 for r in bits + dx), [(r["constexprs"], r["mma_loop_f2f"])
+                                                                for r in bits + dx if r["mma_loop_f2f"]]
+        assert all(r["mma_loop_f2f"] > 0 for r in cvt)
+
+
+def test_no_register_spills_where_occupancy_matters(compiled):
+    """K1 (shrink + quantization), every base GEMM and every decode-size K2 (BLOCK_M <= 32) keep their state
+    in registers (the spill stack of the cubin is 0); K2 with the LoRA epilogue is checked for the slot
+    variants: the multi-adapter pipeline appears, and the one-adapter variant stays within 168 registers at
+    64-token tiles of 4 warps (3 programs per SM)."""
+    rows = [r for r in compiled if "stack" in r]
+    if not rows:
+        pytest.skip("cuobjdump not available")
+    k1 = [r for r in rows if r["name"] == "_lora_shrink_kernel"]
+    base = [r for r in rows if r["name"] == "_lora_gemm_kernel" and not r["constexprs"]["HAS_LORA"]]
+    small = [r for r in rows if r["name"] == "_lora_gemm_kernel" and r["constexprs"]["BLOCK_M"] <= 32]
+    for r in k1 + base + small:
+        assert r["stack"] == 0, (r["name"], r["constexprs"], r["regs"], r["stack"])
+    lora = [r for r in rows if r["name"] == "_lora_gemm_kernel" and r["constexprs"]["HAS_LORA"]]
+    assert {r["constexprs"]["PIPE_SLOTS"] for r in lora if not r["constexprs"]["ALL_SLOT0"]} == {True, False}
+    one = [r for r in lora if not r["constexprs"]["PIPE_SLOTS"] and not r["constexprs"]["ALL_SLOT0"]
+           and r["constexprs"]["BLOCK_M"] == 64 and r["constexprs"]["BLOCK_N"] == 64 and r["num_warps"] == 4]
+    assert len(one) >= 2 and all(r["regs"] <= 168 for r in one), [(r["constexprs"], r["regs"]) for r in one]
 
 
 def test_pdl_wait_point_present_only_when_asked(compiled):

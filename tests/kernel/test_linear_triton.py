@@ -86,3 +86,26 @@ def test_matched_property_engine_w8a16_equals_trainer_forward(device):
     rows = slots == 2
     assert torch.equal(y_eng[rows], y_tr[rows])
     assert torch.equal(y_eng[slots == -1], y_base[slots == -1])
+
+
+def test_backward_dx_reads_the_fp8_codes_in_place(device, monkeypatch):
+    """dx = dy·(s_w ⊙ q) runs K2 on the transposed VIEW of the codes: same storage, strides (1, K); nothing
+    copies, transposes or widens the weight outside the kernel (no .contiguous(), no .t().clone(), no bf16)."""
+    from rlfp8.kernels import linear_triton as lt
+    M, K, N, r = 24, 64, 96, 8
+    x = torch.randn(M, K, dtype=torch.bfloat16, device=device, requires_grad=True)
+    q, sw = fp8.quantize_weight_ref(torch.randn(N, K, device=device) * 0.05)
+    A = (torch.randn(r, K, device=device) * 0.1).requires_grad_()
+    B = (torch.randn(N, r, device=device) * 0.1).requires_grad_()
+    seen = []
+    real = lt.lora_gemm_triton
+
+    def spy(xx, qq, *a, **kw):
+        seen.append((qq.data_ptr(), qq.shape, qq.stride(), qq.dtype, kw.get("w_scale_axis", "out")))
+        return real(xx, qq, *a, **kw)
+
+    monkeypatch.setattr(lt, "lora_gemm_triton", spy)
+    y = lora_linear_triton(x, q, sw, A, B, 0.5)
+    y.backward(torch.randn_like(y))
+    assert seen == [(q.data_ptr(), (N, K), (K, 1), q.dtype, "out"),
+                    (q.data_ptr(), (K, N), (1, K), q.dtype, "reduction")]

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from rlfp8.kernels import _triton_utils as tu
 from rlfp8.kernels import dispatch, fp8
 from rlfp8.kernels.lora_shrink import ShrinkConfig, lora_shrink, lora_shrink_ref, lora_shrink_triton
 from rlfp8.kernels.metadata import build_lora_meta
@@ -100,3 +101,35 @@ def test_dispatch_and_errors(device):
         lora_shrink_triton(x, [a.float() for a in A], meta)
     with pytest.raises(ValueError, match=r"out must have shape \[1, 8, 16\]"):
         lora_shrink_triton(x, A, meta, out=torch.zeros(1, 8, 8, device=device))
+
+
+@pytest.mark.parametrize("quant", ["div", "recip"])
+def test_fused_quant_two_pass_rows_many_segments(quant, device):
+    """The quantization programs of K1 (token order, one row each for K >= 4096, two passes when K > 4096)
+    beside the shrink programs of several segments: codes and scales bit-equal to the reference."""
+    M, K, S, r, L = 9, 4100, 4, 16, 2
+    x, A, slots = _case(M, K, S, r, L, device)
+    x[3] = 0.0                                                  # an all-zero token: the smallest scale
+    meta = build_lora_meta(slots, S)
+    res = lora_shrink_triton(x, A, meta, quant=quant, config=ShrinkConfig(16, 128, 2))
+    qr, sr = fp8.quantize_activation_ref(x, quant)
+    assert torch.equal(res.x_q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(res.x_scale, sr)
+    has = slots >= 0
+    ref64 = _fp64_h(x.cpu(), [a.cpu() for a in A], slots.cpu())
+    assert rel_err(res.h[:, has], ref64[:, has.cpu()]) < 1e-5
+
+
+def test_grid_is_quant_programs_then_shrink_programs():
+    """One 1-D launch: ceil(T / QBLOCK_M) quantization programs, then SPLIT_K x m_tiles x L x segments."""
+    M, K, S, r = 40, 4096, 3, 16
+    x = torch.empty(M, K, dtype=torch.bfloat16)
+    A = [torch.empty(S, r, K, dtype=torch.bfloat16)] * 3
+    meta = build_lora_meta(torch.arange(M) % (S + 1) - 1, S)
+    cfg = ShrinkConfig(16, 128, 4)
+    with tu.collect_launches() as rec:
+        lora_shrink_triton(x, A, meta, quant="div", config=cfg)
+        lora_shrink_triton(x, A, meta, config=cfg)
+    (_, g_q, _, kw_q), (_, g_n, _, kw_n) = rec
+    shrink = cfg.split_k * 3 * 3 * meta.num_active                   # split x m_tiles x L x segments
+    assert kw_q["QBLOCK_M"] == 1 and kw_q["QBLOCK_K"] == 4096 and g_q == (M + shrink,)
+    assert g_n == (shrink,) and kw_n["QUANT"] == 0

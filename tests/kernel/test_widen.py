@@ -1,0 +1,46 @@
+"""The W8A16 e4m3 -> bf16 widening without F2F (lora_gemm._e4m3_to_bf16): the interpreter cannot run inline
+PTX, so its arithmetic is emulated here for every byte, step by step as the asm does it; the sm_90a compile
+test checks that the GPU kernels contain it and no F2F in their MMA loops, the GPU tests compare it with
+Triton's own cast on the H200."""
+import inspect
+import re
+
+import torch
+
+from rlfp8.kernels import lora_gemm
+
+
+def _emulate(codes_u8: torch.Tensor) -> torch.Tensor:
+    """The asm's steps on a uint8 tensor of e4m3 codes -> bf16 values (as float64)."""
+    f16 = codes_u8.view(torch.float8_e4m3fn).to(torch.float16)       # cvt.rn.f16x2.e4m3x2 (exact)
+    f = f16.view(torch.int16).to(torch.int32) & 0xFFFF
+    t = ((f & 0x7FFF) >> 3) | (f & 0x8000)                           # and, shr, and, or (per 16-bit half)
+    bf = t.to(torch.int16).view(torch.bfloat16)
+    assert torch.all(((t >> 7) & 0xFF)[(t & 0x7FFF) != 0] > 0), "an intermediate bf16 is subnormal"
+    return bf.double() * 2.0 ** 112                                  # fma.rn.bf16x2 by 2^112 (+ -0.0)
+
+
+def test_bit_trick_is_exact_for_every_finite_code():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    fp8 = codes.view(torch.float8_e4m3fn)
+    finite = torch.isfinite(fp8.float())
+    assert int(finite.sum()) == 254                                  # 0x7f, 0xff are NaN
+    got = _emulate(codes)
+    # exact: the scaled value is representable in bf16, and its bits equal torch's (RNE) cast, signed zeros too
+    assert torch.equal(got.to(torch.bfloat16).double()[finite], got[finite])
+    want = fp8.to(torch.bfloat16)
+    assert torch.equal(got.to(torch.bfloat16).view(torch.int16)[finite], want.view(torch.int16)[finite])
+    # the NaN codes come out finite (documented; the quantizer never produces them)
+    assert torch.all(got[~finite].abs() == 122880.0)
+
+
+def test_asm_text_matches_the_emulated_steps():
+    fn = lora_gemm._e4m3_to_bf16
+    src = inspect.getsource(getattr(fn, "fn", fn))             # JITFunction or the interpreter's wrapper
+    steps = ["cvt.rn.f16x2.e4m3x2", "and.b32 t, f, 0x7FFF7FFF", "shr.b32 t, t, 3", "and.b32 f, f, 0x80008000",
+             "or.b32 t, t, f", "mov.b32 k, 0x77807780", "mov.b32 z, 0x80008000", "fma.rn.bf16x2"]
+    pos = [src.find(s) for s in steps]
+    assert all(p >= 0 for p in pos) and pos == sorted(pos), dict(zip(steps, pos))
+    # 0x7780 is bf16 2^112, 0x8000 bf16 -0.0
+    assert torch.tensor([0x7780], dtype=torch.int16).view(torch.bfloat16).item() == 2.0 ** 112
+    assert re.search(r"pack=2", src)
