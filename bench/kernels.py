@@ -475,33 +475,6 @@ def train_rows(layer: Layer, timer: Timer, reps: int) -> list[dict]:
 MEM_TOKENS = 256      # token count of the allocation-size check: y and dx are far smaller than the weight there
 
 
-def alloc_trace(fn):
-    """Run fn() once: (peak bytes allocated above the start, sizes of all allocations it made or None), from
-    the caching allocator's counters and its allocation history (no tracebacks recorded)."""
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    try:
-        kw = dict(context=None, max_entries=100_000)
-        if "clear_history" in inspect.signature(torch.cuda.memory._record_memory_history).parameters:
-            kw["clear_history"] = True
-        torch.cuda.memory._record_memory_history(**kw)
-        recording = True
-    except Exception:
-        recording = False
-    sizes = None
-    try:
-        fn()
-        torch.cuda.synchronize()
-        if recording:
-            snap = torch.cuda.memory._snapshot()
-            sizes = [e["size"] for tr in snap.get("device_traces", []) for e in tr if e.get("action") == "alloc"]
-    finally:
-        if recording:
-            torch.cuda.memory._record_memory_history(enabled=None)
-    return torch.cuda.max_memory_allocated() - base, sizes
-
-
 def train_memory(layer: Layer, name: str, peak_8k: int) -> dict:
     """What "no bf16 copy of the weight" means, measured two ways (a whole step's peak at 8k tokens is
     dominated by y and dx, which are larger than the weight, so comparing that peak with the weight's size
@@ -527,7 +500,7 @@ def train_memory(layer: Layer, name: str, peak_8k: int) -> dict:
         x.grad = A.grad = B.grad = None
 
     step()
-    peak, sizes = alloc_trace(step)
+    _, peak, sizes = tu.alloc_trace(step)
     biggest = max(sizes) if sizes else None
     mib = 2 ** 20
     return dict(ours_required_mib=round(required / mib, 1), ours_residual_mib=round((peak_8k - required) / mib, 1),

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 REPO = Path(__file__).resolve().parent.parent
 CONF_DIR = Path(os.environ.get("RLFP8_CONF_DIR", REPO / "conf"))
@@ -89,11 +89,6 @@ def compose(overrides: list[str]) -> DictConfig:
     _check_known_keys(cfg, base)
     validate(cfg)
     return cfg
-
-
-def open_dict(cfg):
-    from omegaconf import open_dict as od
-    return od(cfg)
 
 
 def _check_known_keys(cfg: DictConfig, base: DictConfig, prefix: str = "") -> None:

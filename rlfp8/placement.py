@@ -14,8 +14,6 @@ from __future__ import annotations
 import logging
 import os
 
-log = logging.getLogger("rlfp8.placement")
-
 
 class _TrainerActor:
     def __init__(self, model_path: str, cfg: dict, num_threads: int):
@@ -79,7 +77,7 @@ class Placement:
                             "PYTHONUNBUFFERED": "1"}}
         # The engine first: vLLM sizes its memory from what is free when it starts.
         self.engine = ray.remote(**res)(_RolloutActor).options(
-            scheduling_strategy=strat, runtime_env=env, name=None).remote(model_path, cfg, threads)
+            scheduling_strategy=strat, runtime_env=env).remote(model_path, cfg, threads)
         ray.get(self.engine.call.remote("memory"))
         self.trainer = ray.remote(**res)(_TrainerActor).options(
             scheduling_strategy=strat, runtime_env=env).remote(model_path, cfg, threads)

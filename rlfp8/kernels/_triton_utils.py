@@ -186,3 +186,32 @@ def precompile(records: list, jobs: int = 8, target=None) -> dict:
         with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(specs))), mp_context=mp.get_context("spawn")) as ex:
             errors = [e for e in ex.map(_compile_spec_quiet, specs) if e]
     return {"kernels": len(specs), "errors": errors, "seconds": round(time.time() - t0, 1)}
+
+
+def alloc_trace(fn):
+    """Run fn() once on CUDA: (its result, peak bytes allocated above the start, sizes of all allocations it
+    made or None), from the caching allocator's counters and its allocation history (no tracebacks recorded,
+    so cheap to record and snapshot). Used by the GPU tests and bench/kernels.py to show no weight copy."""
+    import inspect
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        kw = dict(context=None, max_entries=100_000)
+        if "clear_history" in inspect.signature(torch.cuda.memory._record_memory_history).parameters:
+            kw["clear_history"] = True
+        torch.cuda.memory._record_memory_history(**kw)
+        recording = True
+    except Exception:                                   # no allocation history in this build: peaks only
+        recording = False
+    sizes = None
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+        if recording:
+            snap = torch.cuda.memory._snapshot()
+            sizes = [e["size"] for tr in snap.get("device_traces", []) for e in tr if e.get("action") == "alloc"]
+    finally:
+        if recording:
+            torch.cuda.memory._record_memory_history(enabled=None)
+    return out, torch.cuda.max_memory_allocated() - base, sizes

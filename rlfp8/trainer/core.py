@@ -17,8 +17,6 @@ Design choices:
 from __future__ import annotations
 
 import logging
-import math
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -210,14 +208,20 @@ class PolicyTrainer:
         use_kl = float(a.get("kl_coef", 0.0)) > 0
         max_resp = int(a.get("max_response_len", max(l - p for l, p in zip(lengths, batch.prompt_lens))))
 
-        collated = {}
+        collated: dict[tuple, dict] = {}          # micro-batch rows -> device tensors, built once per step
+
+        def micro_batch(rows):
+            key = tuple(rows)
+            if key not in collated:
+                collated[key] = self._collate(batch, rows)
+            return key, collated[key]
+
         old, ref = {}, {}
         if not on_policy or use_kl:
             with torch.no_grad():
                 for _, mbs in plan:
                     for rows in mbs:
-                        key = tuple(rows)
-                        mb = collated[key] if key in collated else collated.setdefault(key, self._collate(batch, rows))
+                        key, mb = micro_batch(rows)
                         if not on_policy:
                             old[key] = self._logp(mb)
                         if use_kl:
@@ -235,8 +239,7 @@ class PolicyTrainer:
                 denom = algos.aggregation_denominator(mini_mask, a["loss_agg"], max_resp)
                 self.optimizer.zero_grad(set_to_none=True)
                 for rows in mbs:
-                    key = tuple(rows)
-                    mb = collated[key] if key in collated else collated.setdefault(key, self._collate(batch, rows))
+                    key, mb = micro_batch(rows)
                     logp, ent = self._logp(mb, entropy=True)
                     old_logp = logp.detach() if on_policy else old[key]
                     mask = mb["mask"]

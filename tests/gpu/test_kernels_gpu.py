@@ -13,7 +13,6 @@ the module runs in about a minute or two on an H200:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 
 import pytest
@@ -313,33 +312,6 @@ def test_matched_property_engine_w8a16_vs_trainer_forward(shape, M):
 
 
 # --------------------------------------------------------------------------------------------- training linear
-def _alloc_trace(fn):
-    """Run fn() once: (its result, peak bytes allocated above the start, sizes of all allocations it made or
-    None) from the caching allocator's counters and its allocation history."""
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    try:
-        kw = dict(context=None, max_entries=100_000)            # no tracebacks: cheap to record and to snapshot
-        if "clear_history" in inspect.signature(torch.cuda.memory._record_memory_history).parameters:
-            kw["clear_history"] = True
-        torch.cuda.memory._record_memory_history(**kw)
-        recording = True
-    except Exception:                                   # no allocation history in this build: peaks only
-        recording = False
-    sizes = None
-    try:
-        out = fn()
-        torch.cuda.synchronize()
-        if recording:
-            snap = torch.cuda.memory._snapshot()
-            sizes = [e["size"] for tr in snap.get("device_traces", []) for e in tr if e.get("action") == "alloc"]
-    finally:
-        if recording:
-            torch.cuda.memory._record_memory_history(enabled=None)
-    return out, torch.cuda.max_memory_allocated() - base, sizes
-
-
 @pytest.mark.parametrize("shape,M", TRAIN, ids=[s for s, _ in TRAIN])
 def test_training_linear_fwd_bwd_vs_reference(shape, M):
     """Forward and backward against LoRALinearRef; memory: after one warm-up step (Triton compilation and the
@@ -353,9 +325,9 @@ def test_training_linear_fwd_bwd_vs_reference(shape, M):
     N, K = q.shape
     lora_linear_triton(x, q, sw, A, B, s).backward(torch.randn(M, N, device=DEV, dtype=torch.bfloat16))
     x.grad = A.grad = B.grad = None
-    y, peak_fwd, sizes_fwd = _alloc_trace(lambda: lora_linear_triton(x, q, sw, A, B, s))
+    y, peak_fwd, sizes_fwd = tu.alloc_trace(lambda: lora_linear_triton(x, q, sw, A, B, s))
     dy = torch.randn_like(y)
-    _, peak_bwd, sizes_bwd = _alloc_trace(lambda: y.backward(dy))
+    _, peak_bwd, sizes_bwd = tu.alloc_trace(lambda: y.backward(dy))
     got = [y.detach(), x.grad, A.grad, B.grad]
     x.grad = A.grad = B.grad = None
     yr = LoRALinearRef.apply(x, q, sw, A, B, s, None)
