@@ -31,6 +31,7 @@ import datetime
 import inspect
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -246,31 +247,42 @@ def seq(fns):
 
 # ------------------------------------------------------------------------------------------------ tuning
 def candidates(mode: str, bucket: int, N: int, K: int, transposed: bool = False) -> list[GemmConfig]:
-    """The heuristic config first, then a few tile shapes per bucket, each with the split-K of the heuristic
-    rule, twice it and (decode sizes) half of it, and with TMA weight loads. Configs that do not compile (too
-    much shared memory) or produce a different output are skipped by the tuner."""
+    """The heuristic config first, then a few tile shapes per bucket in both main-loop orientations
+    (swap_ab: weight rows on the MMA's M side, the widened W8A16 tile as wgmma's register operand; or tokens
+    on the M side, the weight tile through shared memory with 16-byte loads and the four-codes-per-register
+    widening "prmt"), each with the split-K of the heuristic rule, twice it and (decode sizes) half of it,
+    and with TMA weight loads. Configs that do not compile (too much shared memory) or produce a different
+    output are skipped by the tuner."""
     fp8 = mode.startswith("w8a8")
     bk_big = 128 if fp8 else 64
     base = lg._heuristic(mode, bucket, N, K)
     raw = [base]
+    # (block_n, block_m, block_k, warps, stages[, swap_ab]); block_n = weight rows, block_m = tokens
     if bucket <= 16:
-        raw += [(64, 16, 256, 4, 6), (128, 16, 128, 4, 5), (64, 16, 128, 4, 6), (64, 16, 128, 4, 8)]
+        raw += [(64, 16, 256, 4, 6), (128, 16, 128, 4, 5), (64, 16, 128, 4, 6), (64, 16, 128, 4, 8),
+                (128, 16, 128, 4, 4, False), (256, 16, 128, 4, 3, False), (128, 16, 256, 4, 3, False),
+                (64, 16, 256, 4, 4, False)]
     elif bucket <= 32:
-        raw += [(64, 32, 128, 4, 5), (128, 32, 128, 4, 4), (64, 32, 128, 4, 6)]
+        raw += [(64, 32, 128, 4, 5), (128, 32, 128, 4, 4), (64, 32, 128, 4, 6), (128, 32, 128, 4, 4, False)]
     elif bucket <= 64:
         raw += [(64, 64, 128, 4, 4), (128, 64, 64, 4, 5), (128, 32, 128, 4, 4), (64, 64, 128, 4, 6),
-                (64, 32, 128, 4, 6)]
+                (64, 32, 128, 4, 6), (128, 64, 128, 4, 4, False), (256, 64, 64, 4, 4, False),
+                (128, 64, 64, 4, 6, False), (64, 64, 128, 4, 6, False)]
     elif bucket <= 256:
         raw += [(128, 128, bk_big, 4, 4), (64, 128, 128, 4, 4), (128, 256, bk_big, 8, 3), (64, 64, 128, 4, 4),
-                (64, 128, bk_big, 4, 6)]
+                (64, 128, bk_big, 4, 6), (128, 128, bk_big, 8, 4, False), (256, 64, bk_big, 4, 4, False),
+                (128, 128, 128, 8, 3, False), (256, 128, 64, 8, 4, False), (128, 64, 128, 4, 4, False)]
     else:
         raw += [(128, 128, bk_big, 8, 4), (256, 128, 64, 8, 3), (256, 128, 128, 8, 3) if fp8 else (128, 256, 64, 8, 4),
-                (128, 128, 64, 8, 5), (256, 128, 64, 8, 4)]
+                (128, 128, 64, 8, 5), (256, 128, 64, 8, 4), (128, 256, bk_big, 8, 3, False),
+                (256, 128, bk_big, 8, 3, False), (128, 128, 64, 8, 4, False), (256, 128, 64, 8, 4, False)]
     out, seen = [], set()
     for c in raw:
         if isinstance(c, tuple):
-            bn, bm, bk, nw, ns = c
-            c = GemmConfig(bn, bm, bk, lg._split(bucket, N, K, bn, bm, bk), 8, nw, ns)
+            bn, bm, bk, nw, ns = c[:5]
+            swap = c[5] if len(c) > 5 else True
+            c = GemmConfig(bn, bm, bk, lg._split(bucket, N, K, bn, bm, bk), 8, nw, ns, swap_ab=swap,
+                           widen="bits" if swap else "prmt")
         variants = [c]
         if bucket <= 256:                                  # other splits at decode / small-prefill sizes
             variants.append(dataclasses.replace(c, split_k=min(16, c.split_k * 2)))
@@ -285,7 +297,7 @@ def candidates(mode: str, bucket: int, N: int, K: int, transposed: bool = False)
     return out
 
 
-def tune(layer: Layer, timer: Timer, deadline: float, reps: int) -> dict:
+def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | None = None) -> dict:
     """Groups share a config (see lora_gemm.config_key): (K=4096, narrow) = qkv + o, (4096, wide) = gate_up,
     (12288, narrow) = down; tuned at one M per bucket of the benchmark; the training dx GEMMs at 8192 tokens."""
     groups: dict[tuple, list] = {}
@@ -297,7 +309,11 @@ def tune(layer: Layer, timer: Timer, deadline: float, reps: int) -> dict:
         for b in sorted({lg.m_bucket(m) for m in MS}):
             M = max(m for m in MS if lg.m_bucket(m) == b)                  # the largest M of each bucket
             for (K, ncls), names in groups.items():
-                jobs.append((mode, M, K, names))
+                key = lg.config_key(mode, M, layer.w[names[0]][0].shape[0], K)
+                if keys is None or re.search(keys, key):
+                    jobs.append((mode, M, K, names))
+    dx_names = [n for n in PROJ if keys is None or re.search(
+        keys, lg.config_key("w8a16", TRAIN_TOKENS, PROJ[n][0], sum(PROJ[n][1]), transposed=True))]
     # compile every candidate first, in parallel
     with tu.collect_launches() as rec:
         for mode, M, K, names in jobs:
@@ -305,7 +321,7 @@ def tune(layer: Layer, timer: Timer, deadline: float, reps: int) -> dict:
                 N = layer.w[name][0].shape[0]
                 for c in candidates(mode, lg.m_bucket(M), N, K):
                     layer.ours_gemm(name, M, mode, c)()
-        for name in PROJ:
+        for name in dx_names:
             x, q, sw, A, B = train_inputs(layer, name)
             N, K = q.shape
             for c in candidates("w8a16", lg.m_bucket(TRAIN_TOKENS), K, N, transposed=True):
@@ -335,23 +351,25 @@ def tune(layer: Layer, timer: Timer, deadline: float, reps: int) -> dict:
             if best is None or tot < best[0]:
                 best = (tot, c)
         if best is not None and mode == "w8a16":
-            # the two exact widenings of W8A16 (same bits): the F2F-free one is the default, Triton's cast
-            # is timed once on the winner's tiles
-            c = dataclasses.replace(best[1], widen="cvt")
-            try:
-                tot = sum(timer.graph_us(layer.ours_gemm(name, M, mode, c), reps) for name in names)
-                report[key].append({"config": c.key(), "us": round(tot, 2)})
-                if tot < best[0]:
-                    best = (tot, c)
-            except Exception as e:
-                report[key].append({"config": c.key(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            # the exact widenings of W8A16 give the same bits; each is timed on the winner's tiles
+            for wd in lg.WIDENINGS:
+                if wd == best[1].widen:
+                    continue
+                c = dataclasses.replace(best[1], widen=wd)
+                try:
+                    tot = sum(timer.graph_us(layer.ours_gemm(name, M, mode, c), reps) for name in names)
+                    report[key].append({"config": c.key(), "us": round(tot, 2)})
+                    if tot < best[0]:
+                        best = (tot, c)
+                except Exception as e:
+                    report[key].append({"config": c.key(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
         if best is not None:
             table[key] = dataclasses.asdict(best[1])
             log(f"tune {key}: {best[1]} {best[0]:.1f} us (heuristic "
                 f"{report[key][0].get('us', 'failed')} us)")
         else:
             log(f"tune {key}: every candidate failed: {report.get(key)}")
-    for name in PROJ:                                        # backward dx GEMM of the training linear
+    for name in dx_names:                                    # backward dx GEMM of the training linear
         if time.time() > deadline:
             break
         x, q, sw, A, B = train_inputs(layer, name)
@@ -453,6 +471,18 @@ def train_rows(layer: Layer, timer: Timer, reps: int) -> list[dict]:
                 us = statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
                 graphed = False
             res[arm] = (us, peak, graphed)
+        # where the time goes: the two big GEMMs alone against cuBLAS on the bf16 weight
+        Bc = (B0 * s).to(torch.bfloat16)
+        h = torch.randn(1, TRAIN_TOKENS, RANK, device=DEV)
+        parts = {
+            "fwd": (lambda: lora_gemm_triton(x0, q, sw, h=h, B=Bc[None]), lambda: F.linear(x0, w16)),
+            "dx": (dx_gemm(x0, q, sw, A0, None), lambda: F.linear(dy, w16.t())),
+        }
+        for part, (ours_fn, base_fn) in parts.items():
+            o, b = timer.graph_us(ours_fn, reps), timer.graph_us(base_fn, reps)
+            rows.append(dict(op=f"train_gemm_{part}:{name}", mode="w8a16", M=TRAIN_TOKENS, adapters=1, rank=RANK,
+                             ours_us=round(o, 2), baseline="cublas_bf16", baseline_us=round(b, 2),
+                             ratio=round(o / b, 3)))
         del w16
         mem = train_memory(layer, name, res["ours"][1])
         mib = 2 ** 20
@@ -578,6 +608,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--tune-reps", type=int, default=15)
     ap.add_argument("--budget-s", type=float, default=420, help="stop tuning after this many seconds")
+    ap.add_argument("--tune-keys", default=None, help="retune only the table keys matching this regex (e.g. "
+                    "'w8a16\\|(16|64)\\|'); the other entries of the existing table are kept")
     ap.add_argument("--no-train", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench/results/kernels_h200.json"))
     ap.add_argument("--update-readme", action="store_true", help="replace the results table in bench/README.md")
@@ -595,9 +627,13 @@ def main(argv=None):
     log("inputs ready")
     tuned_info = None
     if a.tune:
-        table = tune(layer, timer, T0 + a.budget_s, a.tune_reps)
+        table = tune(layer, timer, T0 + a.budget_s, a.tune_reps, a.tune_keys)
         path = lg.tuned_table_path()
         path.parent.mkdir(parents=True, exist_ok=True)
+        if a.tune_keys is not None and path.exists():          # keep the entries that were not retuned
+            old = json.loads(path.read_text())
+            table = {"gemm": {**old.get("gemm", {}), **table["gemm"]},
+                     "candidates": {**old.get("candidates", {}), **table["candidates"]}}
         tuned_info = {"path": str(path), "keys": len(table["gemm"])}
         path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
                                     "date": datetime.date.today().isoformat(), **table}, indent=1))

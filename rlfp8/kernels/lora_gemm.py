@@ -90,9 +90,11 @@ def _lora_mma(acc, bt, hT, LORA_PREC: tl.constexpr, LORA_DT: tl.constexpr):
     return acc
 
 
-# How W8A16 widens e4m3 weight tiles to bf16 (GemmConfig.widen, per config; the tuner may pick either):
-# "bits" (_e4m3_to_bf16, inline PTX) or "cvt" (Triton's .to(tl.bfloat16)). Both are exact, so they give the same
-# bits; the interpreter always takes "cvt" (it cannot run inline PTX). RLFP8_W8A16_WIDEN=cvt forces "cvt".
+# How W8A16 widens e4m3 weight tiles to bf16 (GemmConfig.widen, per config; the tuner may pick any):
+# "bits" (_e4m3_to_bf16, inline PTX, two codes per call), "prmt" (_e4m3x4_to_bf16, four codes per call) or
+# "cvt" (Triton's .to(tl.bfloat16)). All are exact, so they give the same bits; the interpreter always takes
+# "cvt" (it cannot run inline PTX). RLFP8_W8A16_WIDEN=cvt forces "cvt" everywhere.
+WIDENINGS = ("bits", "prmt", "cvt")
 W8A16_WIDEN = os.environ.get("RLFP8_W8A16_WIDEN", "bits")
 if W8A16_WIDEN not in ("bits", "cvt"):
     raise ValueError(f"RLFP8_W8A16_WIDEN={W8A16_WIDEN!r}: allowed values are 'bits', 'cvt'")
@@ -135,6 +137,37 @@ def _e4m3_to_bf16(w):
         constraints="=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=2)
 
 
+@triton.jit
+def _e4m3x4_to_bf16(w):
+    """Exact e4m3 -> bf16 widening, four codes per 32-bit register (compiled GPU code only: inline PTX).
+
+    Meant for layouts where a thread holds 4+ consecutive codes (the non-swapped main loop loads the weight
+    tile 16 bytes per thread), so no packing is needed around the asm. Per pair of codes, no conversion
+    instruction at all: one PRMT places each code in the low byte of a 16-bit half and replicates its sign
+    bit over the high byte; a shift by 4 and one mask leave sign | eeeemmm << 4, which read as bf16 is the
+    code's value times 2^-120 (exponent bias 127 vs 7; e4m3 subnormals land on bf16 subnormals, exactly);
+    one bf16x2 multiply by 2^120 restores it exactly (bf16 arithmetic keeps subnormals). Four instructions
+    per pair (PRMT, SHL, LOP3, HMUL2) against five for _e4m3_to_bf16. Same bits as w.to(tl.bfloat16) for
+    all 254 finite codes (tests/kernel/test_widen.py emulates it per byte; the GPU tests compare the paths);
+    the NaN codes 0x7f/0xff come out as +-480."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 lo, hi, k;
+        prmt.b32 lo, $2, 0, 0x9180;
+        prmt.b32 hi, $2, 0, 0xB3A2;
+        shl.b32 lo, lo, 4;
+        shl.b32 hi, hi, 4;
+        and.b32 lo, lo, 0x87F087F0;
+        and.b32 hi, hi, 0x87F087F0;
+        mov.b32 k, 0x7B807B80;
+        mul.rn.bf16x2 $0, lo, k;
+        mul.rn.bf16x2 $1, hi, k;
+        }
+        """,
+        constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # configs
 @dataclass(frozen=True)
@@ -147,7 +180,8 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     w_tma: bool = False   # load the weight tiles with TMA (host TensorDescriptor) instead of cp.async
-    widen: str = "bits"   # W8A16 with bf16 x: "bits" (_e4m3_to_bf16) or "cvt" (Triton's cast); same results
+    widen: str = "bits"   # W8A16 with bf16 x: "bits", "prmt" or "cvt" (see WIDENINGS); same results
+    swap_ab: bool = True  # weight rows on wgmma's M side (register-A widening) or tokens (weight tile via smem)
 
     def key(self) -> tuple:
         return tuple(asdict(self).values())
@@ -249,7 +283,7 @@ def _lora_gemm_kernel(
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr, RED_UNROLL: tl.constexpr,
     WIDEN_W: tl.constexpr,      # W8A16: widen the e4m3 tile to x's dtype in registers (else FP8 MMA)
-    WIDEN_ASM: tl.constexpr,    # ... with _e4m3_to_bf16 (bf16 x, compiled GPU code only) instead of .to()
+    WIDEN_ASM: tl.constexpr,    # ... 1: _e4m3_to_bf16, 2: _e4m3x4_to_bf16 (bf16 x, compiled GPU code), 0: .to()
     SCALE_W: tl.constexpr,      # 0 none, 1 per output column (epilogue), 2 per reduction index (main loop)
     HAS_XS: tl.constexpr,       # per-token activation scale (W8A8)
     HAS_LORA: tl.constexpr, N_SLICES: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -260,6 +294,7 @@ def _lora_gemm_kernel(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_PDL: tl.constexpr, PDL_WAIT_EARLY: tl.constexpr,
     W_TMA: tl.constexpr,        # weight tiles through TMA (w_ptr is a descriptor with block [BLOCK_N, BLOCK_K])
+    SWAP_AB: tl.constexpr,      # True: accᵀ = W·xᵀ (weight rows on wgmma's M side); False: acc = x·Wᵀ
     FP8_ACC: tl.constexpr,      # W8A8: max_num_imprecise_acc for the FP8 wgmma (None = Triton's sm_90 default,
                                 # fast accumulation as CUTLASS's FastAccum; an int promotes every FP8_ACC k)
 ):
@@ -300,8 +335,12 @@ def _lora_gemm_kernel(
     k_hi = tl.minimum(K, k_lo + k_per)
     if not W_TMA:
         w_ptrs = w_ptr + n_ld.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :] * stride_wk  # [BN, BK]
-    x_ptrs = x_ptr + rows64[None, :] * stride_xm + (k_lo + offs_k)[:, None] * stride_xk            # [BK, BM]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if SWAP_AB:
+        x_ptrs = x_ptr + rows64[None, :] * stride_xm + (k_lo + offs_k)[:, None] * stride_xk        # [BK, BM]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        x_ptrs = x_ptr + rows64[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk        # [BM, BK]
+        acc_mn = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
         if W_TMA:
             w = w_ptr.load([pid_n * BLOCK_N, k])                  # out-of-range rows/cols read as 0
@@ -311,23 +350,33 @@ def _lora_gemm_kernel(
             w = tl.load(w_ptrs, mask=((k + offs_k) < K)[None, :], other=0.0)
         if EVEN_K:
             xt = tl.load(x_ptrs)
-        else:
+        elif SWAP_AB:
             xt = tl.load(x_ptrs, mask=((k + offs_k) < K)[:, None], other=0.0)
+        else:
+            xt = tl.load(x_ptrs, mask=((k + offs_k) < K)[None, :], other=0.0)
         if WIDEN_W:
             if SCALE_W == 2:
                 # backward dx: the scale runs along the reduction; s_w·q is rounded to x's dtype here
                 sw_k = tl.load(sw_ptr + k + offs_k, mask=(k + offs_k) < K, other=0.0)
                 wv = (w.to(tl.float32) * sw_k[None, :]).to(xt.dtype)
-            elif WIDEN_ASM:
+            elif WIDEN_ASM == 2:
+                wv = _e4m3x4_to_bf16(w)                           # exact, no conversion instruction
+            elif WIDEN_ASM == 1:
                 wv = _e4m3_to_bf16(w)                             # exact, no F2F (bf16 x only)
             else:
                 wv = w.to(xt.dtype)                               # exact: e4m3 codes fit bf16/fp16
-            acc = tl.dot(wv, xt, acc)
         else:
-            acc = tl.dot(w, xt, acc, max_num_imprecise_acc=FP8_ACC)   # e4m3 x e4m3 wgmma
+            wv = w                                                # e4m3 x e4m3 wgmma
+        if SWAP_AB:
+            acc = tl.dot(wv, xt, acc, max_num_imprecise_acc=None if WIDEN_W else FP8_ACC)
+        else:
+            # tokens on wgmma's M side, the (widened) weight tile as the shared-memory B operand
+            acc_mn = tl.dot(xt, tl.trans(wv), acc_mn, max_num_imprecise_acc=None if WIDEN_W else FP8_ACC)
         if not W_TMA:
             w_ptrs += BLOCK_K * stride_wk
         x_ptrs += BLOCK_K * stride_xk
+    if not SWAP_AB:
+        acc = tl.trans(acc_mn)                                    # [BN, BM]: the epilogue's orientation
 
     # ---- split-K: the last program of the tile reduces the partials in split order
     if SPLIT_K > 1:
@@ -576,8 +625,8 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     cfg = config or gemm_config(mode, M, N, K, dev, transposed=w_scale_axis == "reduction")
     if cfg.block_m < 16 or cfg.block_n < 16 or cfg.block_k < 16:
         raise ValueError(f"rlfp8.kernels.{OP}: tile dims must be >= 16 (tl.dot), got {cfg}")
-    if cfg.widen not in ("bits", "cvt"):
-        raise ValueError(f"rlfp8.kernels.{OP}: config widen must be 'bits' or 'cvt', got {cfg}")
+    if cfg.widen not in WIDENINGS:
+        raise ValueError(f"rlfp8.kernels.{OP}: config widen must be one of {WIDENINGS}, got {cfg}")
     has_lora = slices is not None and not (meta is not None and meta.no_lora)
     gather = (meta is not None and has_lora) if gather is None else (gather and meta is not None)
     m_tiles, n_tiles = cdiv(M, cfg.block_m), cdiv(N, cfg.block_n)
@@ -609,8 +658,10 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     slot_t = meta.token_lora_mapping if (has_lora and meta is not None) else dummy
     perm_t = meta.token_indices_sorted_by_lora_ids if gather else dummy
     scale_w = 0 if w_scale is None else (2 if w_scale_axis == "reduction" else 1)
-    widen_asm = (mode == "w8a16" and x.dtype == torch.bfloat16 and scale_w != 2 and cfg.widen == "bits"
-                 and W8A16_WIDEN == "bits" and not dispatch.triton_interpreting())
+    widen_asm = 0
+    if (mode == "w8a16" and x.dtype == torch.bfloat16 and scale_w != 2 and W8A16_WIDEN == "bits"
+            and not dispatch.triton_interpreting()):
+        widen_asm = {"bits": 1, "prmt": 2, "cvt": 0}[cfg.widen]
     w_arg, w_tma = q, False
     if cfg.w_tma:
         # TMA needs a K-contiguous weight with 16-byte aligned base and rows (true for the stored codes;
@@ -635,7 +686,7 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
            GATHER=bool(gather), HAS_G=g is not None and has_lora, HAS_BIAS=bias is not None,
            LORA_PREC=lora_precision, LORA_DT=_lora_dt(slices[0].dtype if has_lora else None),
            EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,
-           USE_PDL=use_pdl, PDL_WAIT_EARLY=mode == "w8a8", W_TMA=w_tma,
+           USE_PDL=use_pdl, PDL_WAIT_EARLY=mode == "w8a8", W_TMA=w_tma, SWAP_AB=cfg.swap_ab,
            FP8_ACC=None if FP8_PRECISE_ACC is None else min(FP8_PRECISE_ACC, cfg.block_k),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
     return out

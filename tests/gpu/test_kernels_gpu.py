@@ -135,6 +135,10 @@ def _warm():
             test_dora_g(shape, M)
         for shape, M in [("qkv", 16), ("gate_up", 64), ("down", 256), ("o", 2048)]:
             test_w8a16_widening_bits_equal_cvt(shape, M)
+        for case in SWAP_CASES:
+            test_both_main_loop_orientations(*case)
+        for shape in ("qkv", "down"):
+            test_dx_gemm_both_orientations(shape)
         for mode in ("w8a16", "w8a8"):
             _epilogue_variants(mode)
         for shape, M in MATCHED:
@@ -259,6 +263,54 @@ def test_tma_weight_loads(shape, M, r, S, mode):
     assert rel_err(y_tma, ref) < 1e-2
 
 
+SWAP_CASES = [("qkv", 16, 64, 4, "w8a16"), ("gate_up", 64, 64, 1, "w8a16"), ("down", 256, 16, 32, "w8a8"),
+              ("o", 2048, 64, 4, "w8a16"), ("gate_up", 256, 64, 1, "w8a8")]
+
+
+@pytest.mark.parametrize("shape,M,r,S,mode", SWAP_CASES, ids=[f"{c[0]}-M{c[1]}-{c[4]}" for c in SWAP_CASES])
+def test_both_main_loop_orientations(shape, M, r, S, mode):
+    """GemmConfig.swap_ab False (tokens on the MMA's M side, the weight tile through shared memory, widened
+    with "prmt") against fp64 and the swap_ab config, with several adapters, bias and fp32 output."""
+    x, q, sw, A, B, slots, meta, bias = _case_inputs(shape, M, r, S)
+    cfg = gemm_config(mode, M, q.shape[0], q.shape[1], DEV)
+    xin, xs = (x, None) if mode == "w8a16" else fp8.quantize_activation_ref(x)
+    h = lora_shrink_triton(x, A, meta).h
+    kw = dict(x_scale=xs, h=h, B=B, meta=meta, bias=bias, out_dtype=torch.float32)
+    outs = {}
+    for swap in (True, False):
+        c = dataclasses.replace(cfg, swap_ab=swap, widen="bits" if swap else "prmt")
+        if not swap and c.block_m < 16:
+            c = dataclasses.replace(c, block_m=16)
+        outs[swap] = lora_gemm_triton(xin, q, sw, config=c, **kw)
+    if tu._collector is not None:
+        return
+    ref, _ = _reference(x, q, sw, A, B, slots, bias, mode)
+    errs = {k: rel_err(v, ref) for k, v in outs.items()}
+    print(f"  {shape} M={M} {mode}: swap_ab {errs[True]:.2e}, tokens-on-M {errs[False]:.2e}")
+    assert all(e < (1e-2 if mode == "w8a8" else 1e-4) for e in errs.values()), errs
+
+
+@pytest.mark.parametrize("shape", ["qkv", "down"])
+def test_dx_gemm_both_orientations(shape):
+    """The training backward's dx GEMM (transposed FP8 view, scale along the reduction) in both orientations."""
+    K, widths, q, sw = _weights(shape)
+    N, T, r = sum(widths), 1024, 64
+    g = torch.Generator(device=DEV).manual_seed(9)
+    dy = torch.randn(T, N, device=DEV, dtype=torch.bfloat16, generator=g)
+    dh = torch.randn(1, T, r, device=DEV, generator=g)
+    A_c = (torch.randn(r, K, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
+    cfg = gemm_config("w8a16", T, K, N, DEV, transposed=True)
+    kw = dict(w_scale_axis="reduction", h=dh, B=A_c.t()[None], out_dtype=torch.float32)
+    outs = {swap: lora_gemm_triton(dy, q.t(), sw, config=dataclasses.replace(cfg, swap_ab=swap), **kw)
+            for swap in (True, False)}
+    if tu._collector is not None:
+        return
+    ref = lora_gemm_ref(dy, q.t(), sw, **kw)
+    errs = {k: rel_err(v, ref) for k, v in outs.items()}
+    print(f"  dx {shape}: swap_ab {errs[True]:.2e}, tokens-on-M {errs[False]:.2e}")
+    assert all(e < 1e-4 for e in errs.values()), errs
+
+
 @pytest.mark.parametrize("shape,M", [("qkv", 128), ("down", 16)])
 def test_dora_g(shape, M):
     """Per-slot, per-column DoRA scale g [S, N] in the epilogue (rows without adapter get no g)."""
@@ -350,8 +402,9 @@ def test_training_linear_fwd_bwd_vs_reference(shape, M):
 
 @pytest.mark.parametrize("shape,M", [("qkv", 16), ("gate_up", 64), ("down", 256), ("o", 2048)])
 def test_w8a16_widening_bits_equal_cvt(shape, M):
-    """The F2F-free widening (GemmConfig.widen="bits", inline PTX) and Triton's cast give the same bits, on
-    weights holding every finite e4m3 code (subnormals, both zeros, +-448)."""
+    """The F2F-free widenings (GemmConfig.widen="bits" and "prmt", inline PTX) and Triton's cast give the same
+    bits in both main-loop orientations, on weights holding every finite e4m3 code (subnormals, both zeros,
+    +-448)."""
     K, widths, q, sw = _weights(shape)
     codes = torch.arange(256, device=DEV, dtype=torch.int32).to(torch.uint8)
     codes = codes[(codes != 0x7F) & (codes != 0xFF)]
@@ -359,11 +412,17 @@ def test_w8a16_widening_bits_equal_cvt(shape, M):
     q.view(torch.uint8).view(-1)[: 64 * codes.numel()] = codes.repeat(64)    # the first rows: every code
     x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
     cfg = gemm_config("w8a16", M, q.shape[0], K, DEV)
-    y_bits = lora_gemm_triton(x, q, sw, config=dataclasses.replace(cfg, widen="bits"), out_dtype=torch.float32)
-    y_cvt = lora_gemm_triton(x, q, sw, config=dataclasses.replace(cfg, widen="cvt"), out_dtype=torch.float32)
+    outs = {}
+    for swap in (True, False):
+        for wd in ("bits", "prmt", "cvt"):
+            c = dataclasses.replace(cfg, widen=wd, swap_ab=swap, block_m=max(cfg.block_m, 16))
+            outs[(swap, wd)] = lora_gemm_triton(x, q, sw, config=c, out_dtype=torch.float32)
     if tu._collector is not None:
         return
-    assert torch.equal(y_bits, y_cvt), f"max |diff| {(y_bits - y_cvt).abs().max().item()}"
+    for swap in (True, False):                       # same orientation: the same bits whatever the widening
+        for wd in ("bits", "prmt"):
+            d = (outs[(swap, wd)] - outs[(swap, "cvt")]).abs().max().item()
+            assert torch.equal(outs[(swap, wd)], outs[(swap, "cvt")]), f"swap_ab={swap} {wd}: max |diff| {d}"
 
 
 def _epilogue_variants(mode):

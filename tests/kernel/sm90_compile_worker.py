@@ -85,6 +85,19 @@ def collect() -> list:
                 mode = "w8a8" if xs is not None else "w8a16"
                 cfg = dataclasses.replace(gemm_config(mode, M, N, K), w_tma=True)
                 lora_gemm_triton(xx, q, sw, x_scale=xs, config=cfg)
+        # the other main-loop orientation (tokens on the MMA's M side, weight tile through shared memory) with
+        # the four-codes-per-register widening, at decode, small-prefill and training sizes, with one adapter
+        for M in (16, 64, 2048):
+            meta1 = build_lora_meta(torch.zeros(M, dtype=torch.long), 1)
+            for xx, xs in ((_e(M, K), None), (_e(M, K, dtype=FP8), torch.empty(M, 1))):
+                mode = "w8a8" if xs is not None else "w8a16"
+                cfg = dataclasses.replace(gemm_config(mode, M, N, K), swap_ab=False, widen="prmt")
+                lora_gemm_triton(xx, q, sw, x_scale=xs, config=cfg)
+                lora_gemm_triton(xx, q, sw, x_scale=xs, h=torch.empty(1, M, r), B=_e(1, N, r), meta=meta1,
+                                 config=cfg)
+        cfg = dataclasses.replace(gemm_config("w8a16", 8192, K, N, transposed=True), swap_ab=False)
+        lora_gemm_triton(_e(8192, N), q.t(), sw, w_scale_axis="reduction", h=torch.empty(1, 8192, r),
+                         B=_e(r, K).t()[None], config=cfg)
         # the 64-token config the H200 tuner chose, with one adapter (a register budget the compile test checks)
         meta1 = build_lora_meta(torch.zeros(64, dtype=torch.long), 1)
         for xx, xs in ((_e(64, K), None), (_e(64, K, dtype=FP8), torch.empty(64, 1))):
@@ -109,6 +122,12 @@ def collect() -> list:
             K, M = int(K), min(int(bucket), 4096)
             N = 4096 if ncls == "narrow" else 24576
             xx = _e(M, K, dtype=FP8 if mode == "w8a8" else BF16)
+            if mode == "w8a16T":                          # the training backward's dx GEMM (transposed codes)
+                T = 8192
+                lora_gemm_triton(_e(T, K), _e(K, N, dtype=FP8).t(),
+                                 torch.empty(K), w_scale_axis="reduction", h=torch.empty(1, T, r),
+                                 B=_e(r, N).t()[None], config=GemmConfig(**entry))
+                continue
             lora_gemm_triton(xx, _e(N, K, dtype=FP8), torch.empty(N), x_scale=torch.empty(M, 1) if mode == "w8a8"
                              else None, h=torch.empty(1, M, r), B=_e(S, N, r),
                              meta=build_lora_meta(torch.arange(M) % S, S), config=GemmConfig(**entry))
@@ -182,6 +201,7 @@ def _check(item):
         mma_sync="mma.sync" in ptx, div_rn="div.rn.f32" in ptx, div_full="div.full.f32" in ptx,
         div_approx=bool(re.search(r"div\.approx|rcp\.approx|ex2\.approx", ptx)),
         widen_bits="fma.rn.bf16x2" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx,
+        widen_prmt="mul.rn.bf16x2" in ptx and "prmt.b32" in ptx and "cvt.rn.f16x2.e4m3x2" not in ptx,
         cvt_e4m3="cvt.rn.satfinite.e4m3x2.f32" in ptx, gdc_wait="griddepcontrol.wait" in ptx,
         gdc_launch="griddepcontrol.launch_dependents" in ptx, tma="cp.async.bulk.tensor" in ptx,
         cubin_bytes=len(k.asm["cubin"]))

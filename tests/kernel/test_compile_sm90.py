@@ -38,12 +38,21 @@ def test_all_kernels_compile(compiled):
 
 
 def test_gemms_use_wgmma_with_register_a_in_w8a16(compiled):
+    """swap_ab GEMMs (weight rows on the M side) run wgmma, in W8A16 with the widened tile as its register
+    operand; the other orientation runs wgmma from shared memory at >= 64-token tiles and mma.sync below."""
     gemms = [r for r in compiled if r["name"] == "_lora_gemm_kernel"]
     assert len(gemms) >= 20
-    assert all(r["wgmma"] and not r["mma_sync"] for r in gemms), [r["constexprs"] for r in gemms if not r["wgmma"]]
-    w8a16 = [r for r in gemms if r["constexprs"]["WIDEN_W"]]
+    swap = [r for r in gemms if r["constexprs"]["SWAP_AB"]]
+    noswap = [r for r in gemms if not r["constexprs"]["SWAP_AB"]]
+    assert len(swap) >= 20 and len(noswap) >= 6
+    assert all(r["wgmma"] and not r["mma_sync"] for r in swap), [r["constexprs"] for r in swap if not r["wgmma"]]
+    w8a16 = [r for r in swap if r["constexprs"]["WIDEN_W"]]
     assert w8a16 and all(r["wgmma_reg_a"] for r in w8a16)
+    for r in noswap:
+        big = r["constexprs"]["BLOCK_M"] >= 64
+        assert r["wgmma"] if big else r["mma_sync"], r["constexprs"]    # (the LoRA epilogue may add a wgmma)
     assert any(r["constexprs"]["SCALE_W"] == 2 for r in w8a16)          # the backward dx kernel
+    assert any(r["constexprs"]["SCALE_W"] == 2 for r in noswap)
     assert {r["constexprs"]["N_SLICES"] for r in gemms if r["constexprs"]["HAS_LORA"]} == {1, 2, 3}
     assert any(r["constexprs"]["SPLIT_K"] > 1 for r in gemms)
     tma = [r for r in gemms if r["constexprs"]["W_TMA"]]
@@ -63,17 +72,20 @@ def test_quantizers_ieee_division_and_saturating_cast(compiled):
 
 
 def test_w8a16_widening_avoids_f2f(compiled):
-    """W8A16 bf16 kernels widen e4m3 with the bit trick (no F2F, 16/clk/SM on sm_90) in their MMA main loop;
+    """W8A16 bf16 kernels widen e4m3 with one of the bit tricks (no F2F, 16/clk/SM on sm_90) in their MMA main
+    loop: "bits" (cvt to f16x2 + integer ops + fma) or "prmt" (byte permute + integer ops + mul, no cvt);
     Triton's own cast (widen="cvt") has one F2F per weight element there."""
     gemms = [r for r in compiled if r["name"] == "_lora_gemm_kernel" and r["constexprs"]["WIDEN_W"]]
-    bits = [r for r in gemms if r["constexprs"]["WIDEN_ASM"]]
+    bits = [r for r in gemms if r["constexprs"]["WIDEN_ASM"] == 1]
+    prmt = [r for r in gemms if r["constexprs"]["WIDEN_ASM"] == 2]
     dx = [r for r in gemms if r["constexprs"]["SCALE_W"] == 2]         # scales in fp32 first: e4m3 -> f32, no F2F
     cvt = [r for r in gemms if not r["constexprs"]["WIDEN_ASM"] and r["constexprs"]["SCALE_W"] != 2]
-    assert len(bits) >= 20 and cvt and dx
+    assert len(bits) >= 20 and len(prmt) >= 3 and cvt and dx
     assert all(r["widen_bits"] for r in bits)
+    assert all(r["widen_prmt"] for r in prmt)
     if "mma_loop_f2f" in bits[0]:                                      # cuobjdump available (bundled)
-        assert all(r["mma_loop_f2f"] == 0 for r in bits + dx), [(r["constexprs"], r["mma_loop_f2f"])
-                                                                for r in bits + dx if r["mma_loop_f2f"]]
+        assert all(r["mma_loop_f2f"] == 0 for r in bits + prmt + dx), [
+            (r["constexprs"], r["mma_loop_f2f"]) for r in bits + prmt + dx if r["mma_loop_f2f"]]
         assert all(r["mma_loop_f2f"] > 0 for r in cvt)
 
 

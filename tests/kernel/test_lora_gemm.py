@@ -12,6 +12,8 @@ from tests.conftest import rel_err
 
 SMALL = GemmConfig(64, 16, 64, 1, 2, 4, 2)
 SPLIT = GemmConfig(64, 32, 32, 3, 1, 4, 2)
+NOSWAP = GemmConfig(64, 16, 64, 1, 2, 4, 2, swap_ab=False)          # tokens on the MMA's M side
+NOSWAP_SPLIT = GemmConfig(32, 32, 32, 3, 1, 4, 2, swap_ab=False)
 
 
 def _problem(M, K, widths, S, r, device, mode="w8a16", none_frac=0.3):
@@ -51,7 +53,8 @@ def _fp64(p, g=None, bias=None):
 
 
 @pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
-@pytest.mark.parametrize("cfg", [SMALL, SPLIT], ids=["tile64x16", "splitk3"])
+@pytest.mark.parametrize("cfg", [SMALL, SPLIT, NOSWAP, NOSWAP_SPLIT],
+                         ids=["tile64x16", "splitk3", "noswap", "noswap_splitk3"])
 @pytest.mark.parametrize("gather", [True, False])
 def test_multi_adapter_slices_dora_bias(mode, cfg, gather, device):
     M, K, S, r = 37, 96, 4, 16
@@ -170,3 +173,20 @@ def test_epilogue_variants_give_the_same_bits(mode, device, monkeypatch):
         outs.append(lora_gemm_triton(p["x"], p["q"], p["sw"], **kw))
     assert torch.equal(outs[0], outs[1])
     assert rel_err(outs[0], _fp64(p, g)) < 1e-5
+
+
+@pytest.mark.parametrize("cfg", [SMALL, NOSWAP, NOSWAP_SPLIT], ids=["swap", "noswap", "noswap_splitk3"])
+def test_transposed_codes_scale_along_reduction(cfg, device):
+    """The training backward's dx GEMM: dy [T, N] · (s_w ⊙ q) through the transposed view qᵀ (strides (1, K)),
+    the scale along the reduction, dh·A_c in the epilogue, in both main-loop orientations."""
+    T, K, N, r = 33, 80, 96, 16
+    q, sw = fp8.quantize_weight_ref(torch.randn(N, K, device=device) * 0.05)
+    dy = torch.randn(T, N, dtype=torch.bfloat16, device=device)
+    dh = torch.randn(1, T, r, device=device)
+    A_c = (torch.randn(r, K, device=device) * 0.1).to(torch.bfloat16)
+    kw = dict(w_scale_axis="reduction", h=dh, B=A_c.t()[None], out_dtype=torch.float32)
+    y = lora_gemm_triton(dy, q.t(), sw, config=cfg, **kw)
+    yref = lora_gemm_ref(dy, q.t(), sw, **kw)
+    assert rel_err(y, yref) < 1e-5
+    w = (q.double() * sw.double()[:, None])
+    assert rel_err(y, dy.double() @ w + dh[0].double() @ A_c.double()) < 1e-2

@@ -44,3 +44,60 @@ def test_asm_text_matches_the_emulated_steps():
     # 0x7780 is bf16 2^112, 0x8000 bf16 -0.0
     assert torch.tensor([0x7780], dtype=torch.int16).view(torch.bfloat16).item() == 2.0 ** 112
     assert re.search(r"pack=2", src)
+
+
+def _prmt(a: int, sel: int) -> int:
+    """PTX prmt.b32 d, a, 0, sel (default mode): byte i of d = byte (sel nibble i & 7) of {0, a}, or that byte's
+    sign bit replicated when the nibble's bit 3 is set."""
+    src = [(a >> (8 * i)) & 0xFF for i in range(4)] + [0, 0, 0, 0]
+    d = 0
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        b = src[nib & 7]
+        if nib & 8:
+            b = 0xFF if b & 0x80 else 0x00
+        d |= b << (8 * i)
+    return d
+
+
+def _emulate_x4(word: int) -> list[float]:
+    """_e4m3x4_to_bf16's steps on one 32-bit register holding four codes -> their four bf16 values."""
+    out = []
+    for sel in (0x9180, 0xB3A2):
+        t = (_prmt(word, sel) << 4) & 0xFFFFFFFF & 0x87F087F0        # prmt, shl, and
+        for half in (t & 0xFFFF, t >> 16):
+            v = torch.tensor([half], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+            prod = v.double() * 2.0 ** 120                            # mul.rn.bf16x2 by 2^120 (0x7B80)
+            out.append(float(prod.to(torch.bfloat16).double()))      # ... rounded to bf16 (exact here)
+            assert float(prod) == out[-1], "the product is not exact in bf16"
+    return out
+
+
+def test_prmt_trick_is_exact_for_every_finite_code():
+    codes = torch.arange(256, dtype=torch.int32)
+    fp8 = codes.to(torch.uint8).view(torch.float8_e4m3fn)
+    want = fp8.to(torch.bfloat16)
+    finite = torch.isfinite(fp8.float())
+    got = []
+    for i in range(0, 256, 4):                                       # four codes per register, element 0 lowest
+        word = sum(int(codes[i + j]) << (8 * j) for j in range(4))
+        got += _emulate_x4(word)
+    got = torch.tensor(got, dtype=torch.float64)
+    assert torch.equal(got[finite].to(torch.bfloat16).view(torch.int16), want[finite].view(torch.int16))
+    assert torch.all(got[~finite].abs() == 480.0)                    # NaN codes: documented, never produced
+    # the sign of zero survives (0x80 is -0.0)
+    assert torch.signbit(got[0x80]) and not torch.signbit(got[0x00])
+    # subnormal e4m3 codes (exponent field 0) pass through bf16 subnormals and come back exact
+    assert got[0x01] == 2.0 ** -9 and got[0x07] == 7 * 2.0 ** -9
+
+
+def test_prmt_asm_text_matches_the_emulated_steps():
+    fn = lora_gemm._e4m3x4_to_bf16
+    src = inspect.getsource(getattr(fn, "fn", fn))
+    steps = ["prmt.b32 lo, $2, 0, 0x9180", "prmt.b32 hi, $2, 0, 0xB3A2", "shl.b32 lo, lo, 4", "shl.b32 hi, hi, 4",
+             "and.b32 lo, lo, 0x87F087F0", "and.b32 hi, hi, 0x87F087F0", "mov.b32 k, 0x7B807B80",
+             "mul.rn.bf16x2 $0, lo, k", "mul.rn.bf16x2 $1, hi, k"]
+    pos = [src.find(s) for s in steps]
+    assert all(p >= 0 for p in pos) and pos == sorted(pos), dict(zip(steps, pos))
+    assert torch.tensor([0x7B80], dtype=torch.int16).view(torch.bfloat16).item() == 2.0 ** 120
+    assert re.search(r"pack=4", src)
