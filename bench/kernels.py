@@ -268,12 +268,15 @@ def candidates(mode: str, bucket: int, N: int, K: int, transposed: bool = False)
         raw += [(64, 64, 128, 4, 4), (128, 64, 64, 4, 5), (128, 32, 128, 4, 4), (64, 64, 128, 4, 6),
                 (64, 32, 128, 4, 6), (128, 64, 128, 4, 4, False), (256, 64, 64, 4, 4, False),
                 (128, 64, 64, 4, 6, False), (64, 64, 128, 4, 6, False), (64, 64, 256, 4, 3), (64, 64, 128, 4, 3),
-                (64, 64, 64, 4, 8)]
+                (64, 64, 64, 4, 8), (128, 32, 128, 4, 4, False), (256, 32, 64, 4, 4, False),
+                (128, 16, 128, 4, 4, False), (64, 16, 256, 4, 4, False)]
     elif bucket <= 256:
         raw += [(128, 128, bk_big, 4, 4), (64, 128, 128, 4, 4), (128, 256, bk_big, 8, 3), (64, 64, 128, 4, 4),
                 (64, 128, bk_big, 4, 6), (128, 128, bk_big, 8, 4, False), (256, 64, bk_big, 4, 4, False),
                 (128, 128, 128, 8, 3, False), (256, 128, 64, 8, 4, False), (128, 64, 128, 4, 4, False),
-                (64, 256, bk_big, 4, 4), (64, 256, bk_big, 4, 3), (64, 128, bk_big, 4, 3), (128, 256, 64, 8, 4)]
+                (64, 256, bk_big, 4, 4), (64, 256, bk_big, 4, 3), (64, 128, bk_big, 4, 3), (128, 256, 64, 8, 4),
+                (64, 128, 128, 4, 2), (64, 128, 64, 4, 4), (64, 128, 64, 4, 6), (128, 64, 128, 4, 3),
+                (64, 128, 256, 4, 2)]
     else:
         raw += [(128, 128, bk_big, 8, 4), (256, 128, 64, 8, 3), (256, 128, 128, 8, 3) if fp8 else (128, 256, 64, 8, 4),
                 (128, 128, 64, 8, 5), (256, 128, 64, 8, 4), (128, 256, bk_big, 8, 3, False),
@@ -291,6 +294,8 @@ def candidates(mode: str, bucket: int, N: int, K: int, transposed: bool = False)
             variants.append(dataclasses.replace(c, split_k=min(16, c.split_k * 2)))
             if bucket <= 64 and c.split_k > 1:
                 variants.append(dataclasses.replace(c, split_k=max(1, c.split_k // 2)))
+            if bucket <= 64:
+                variants.append(dataclasses.replace(c, split_k=3))
         if not transposed:                                 # and each with TMA weight loads
             variants += [dataclasses.replace(v, w_tma=True) for v in variants]
         for cc in variants:
@@ -353,6 +358,17 @@ def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | Non
             report.setdefault(key, []).append({"config": c.key(), "us": round(tot, 2)})
             if best is None or tot < best[0]:
                 best = (tot, c)
+        if best is not None:
+            # the tile sweep order over the winner: how many token tiles share a weight tile's L2 lines
+            for gm in (4, 16):
+                c = dataclasses.replace(best[1], group_m=gm)
+                try:
+                    tot = sum(timer.graph_us(layer.ours_gemm(name, M, mode, c), reps) for name in names)
+                    report[key].append({"config": c.key(), "us": round(tot, 2)})
+                    if tot < best[0]:
+                        best = (tot, c)
+                except Exception as e:
+                    report[key].append({"config": c.key(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
         if best is not None and mode == "w8a16":
             # the exact widenings of W8A16 give the same bits; each is timed on the winner's tiles
             for wd in lg.WIDENINGS:
