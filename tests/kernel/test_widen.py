@@ -101,3 +101,20 @@ def test_prmt_asm_text_matches_the_emulated_steps():
     assert all(p >= 0 for p in pos) and pos == sorted(pos), dict(zip(steps, pos))
     assert torch.tensor([0x7B80], dtype=torch.int16).view(torch.bfloat16).item() == 2.0 ** 120
     assert re.search(r"pack=4", src)
+
+
+def test_prmt_pair_variant_is_the_same_arithmetic():
+    """_e4m3x2_to_bf16 (two codes per call, swap_ab loop) runs the low-pair steps of _e4m3x4_to_bf16; its
+    input register holds the two codes in bytes 0 and 1 (bytes 2 and 3 are never read by selector 0x9180)."""
+    fn = lora_gemm._e4m3x2_to_bf16
+    src = inspect.getsource(getattr(fn, "fn", fn))
+    steps = ["prmt.b32 t, $1, 0, 0x9180", "shl.b32 t, t, 4", "and.b32 t, t, 0x87F087F0", "mov.b32 k, 0x7B807B80",
+             "mul.rn.bf16x2 $0, t, k"]
+    pos = [src.find(s) for s in steps]
+    assert all(p >= 0 for p in pos) and pos == sorted(pos), dict(zip(steps, pos))
+    assert re.search(r"pack=2", src)
+    assert all(((0x9180 >> (4 * i)) & 7) in (0, 1) for i in range(4))   # reads bytes 0 and 1 only
+    for b0 in range(256):                                              # == the x4 variant's low pair
+        for b1 in (0x00, 0x01, 0x38, 0x80, 0xC5, 0xFE):
+            word = b0 | (b1 << 8) | (0xAB << 16) | (0xCD << 24)
+            assert _emulate_x4(word)[:2] == _emulate_x4(b0 | (b1 << 8))[:2]
