@@ -17,6 +17,14 @@ Kernel strategy (Hopper):
     W8A16 the widened weight tile is the register-sourced A operand of wgmma (no round trip through shared
     memory), x the shared-memory B operand (K-major, as wgmma wants for both bf16 and fp8). The widening
     avoids the F2F conversion pipe (_e4m3_to_bf16, GemmConfig.widen).
+  * the other orientation (GemmConfig.swap_ab=False): acc [BLOCK_M, BLOCK_N] = x_tile · W_tileᵀ, tokens on
+    the MMA's M side, the (widened) weight tile as the shared-memory B operand, transposed once before the
+    epilogue. The weight tile then reaches registers 16 bytes per thread (the swap_ab register layout reads
+    2 bytes per load), so the four-codes-per-register widening (_e4m3x4_to_bf16) needs no packing; below
+    64 tokens Triton runs it on mma.sync. On the H200 it wins W8A16 at decode sizes (<= 16 tokens); with
+    64+ tokens Triton waits for each wgmma before refilling the widened tile, and swap_ab wins.
+    The tuner picks per (mode, bucket, K, N class); both orientations give the matched property, since the
+    engine and the trainer take the same config for the same T.
   * split-K for small T: SPLIT_K programs share a tile; each writes its fp32 partial to a workspace, the
     last one (atomic tile counter, reset afterwards) sums them in split order and runs the epilogue:
     deterministic, and the epilogue still sees the full sum before the single rounding. The sum is unrolled
