@@ -306,6 +306,18 @@ def candidates(mode: str, bucket: int, N: int, K: int, transposed: bool = False)
     return out
 
 
+def _try_variant(c: GemmConfig, best: tuple, layer: Layer, timer: Timer, names, M: int, mode: str, reps: int,
+                 report: list) -> tuple:
+    """Time config c summed over the group's projections, record it in report; the better of (time, config)."""
+    try:
+        tot = sum(timer.graph_us(layer.ours_gemm(name, M, mode, c), reps) for name in names)
+    except Exception as e:
+        report.append({"config": c.key(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        return best
+    report.append({"config": c.key(), "us": round(tot, 2)})
+    return (tot, c) if tot < best[0] else best
+
+
 def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | None = None) -> dict:
     """Groups share a config (see lora_gemm.config_key): (K=4096, narrow) = qkv + o, (4096, wide) = gate_up,
     (12288, narrow) = down; tuned at one M per bucket of the benchmark; the training dx GEMMs at 8192 tokens."""
@@ -362,27 +374,13 @@ def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | Non
         if best is not None:
             # the tile sweep order over the winner: how many token tiles share a weight tile's L2 lines
             for gm in (4, 16):
-                c = dataclasses.replace(best[1], group_m=gm)
-                try:
-                    tot = sum(timer.graph_us(layer.ours_gemm(name, M, mode, c), reps) for name in names)
-                    report[key].append({"config": c.key(), "us": round(tot, 2)})
-                    if tot < best[0]:
-                        best = (tot, c)
-                except Exception as e:
-                    report[key].append({"config": c.key(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
-        if best is not None and mode == "w8a16":
-            # the exact widenings of W8A16 give the same bits; each is timed on the winner's tiles
-            for wd in lg.WIDENINGS:
-                if wd == best[1].widen:
-                    continue
-                c = dataclasses.replace(best[1], widen=wd)
-                try:
-                    tot = sum(timer.graph_us(layer.ours_gemm(name, M, mode, c), reps) for name in names)
-                    report[key].append({"config": c.key(), "us": round(tot, 2)})
-                    if tot < best[0]:
-                        best = (tot, c)
-                except Exception as e:
-                    report[key].append({"config": c.key(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                best = _try_variant(dataclasses.replace(best[1], group_m=gm), best, layer, timer, names, M, mode,
+                                    reps, report[key])
+            if mode == "w8a16":
+                # the exact widenings of W8A16 give the same bits; each is timed on the winner's tiles
+                for wd in [w for w in lg.WIDENINGS if w != best[1].widen]:
+                    best = _try_variant(dataclasses.replace(best[1], widen=wd), best, layer, timer, names, M, mode,
+                                        reps, report[key])
         if best is not None:
             table[key] = dataclasses.asdict(best[1])
             log(f"tune {key}: {best[1]} {best[0]:.1f} us (heuristic "

@@ -311,7 +311,7 @@ def _lora_gemm_kernel(
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr, RED_UNROLL: tl.constexpr,
     WIDEN_W: tl.constexpr,      # W8A16: widen the e4m3 tile to x's dtype in registers (else FP8 MMA)
-    WIDEN_ASM: tl.constexpr,    # ... 1: _e4m3_to_bf16, 2: _e4m3x4_to_bf16 (bf16 x, compiled GPU code), 0: .to()
+    WIDEN_ASM: tl.constexpr,    # ... 1: _e4m3_to_bf16, 2: the PRMT widening (x4 / x2 by SWAP_AB; bf16 x, GPU code), 0: .to()
     SCALE_W: tl.constexpr,      # 0 none, 1 per output column (epilogue), 2 per reduction index (main loop)
     HAS_XS: tl.constexpr,       # per-token activation scale (W8A8)
     HAS_LORA: tl.constexpr, N_SLICES: tl.constexpr, BLOCK_R: tl.constexpr,
