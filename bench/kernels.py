@@ -48,7 +48,7 @@ import triton  # noqa: E402
 from rlfp8.kernels import _triton_utils as tu  # noqa: E402
 from rlfp8.kernels import dispatch, lora_gemm as lg  # noqa: E402
 from rlfp8.kernels.fp8_triton import quantize_activation_triton, quantize_weight_triton  # noqa: E402
-from rlfp8.kernels.linear_triton import lora_linear_triton  # noqa: E402
+from rlfp8.kernels.linear_triton import dy_prep_triton, lora_linear_triton  # noqa: E402
 from rlfp8.kernels.lora_gemm import GemmConfig, fp8_lora_linear, lora_gemm_triton  # noqa: E402
 from rlfp8.kernels.metadata import LoRAMeta, build_lora_meta  # noqa: E402
 
@@ -147,8 +147,9 @@ class Layer:
                                        .to(torch.bfloat16) for n in widths))
                           for name, (K, widths) in PROJ.items()}
         Ks = sorted({K for K, _ in PROJ.values()})
-        self.x = {M: {K: torch.randn(M, K, device=DEV, dtype=torch.bfloat16, generator=g) for K in Ks} for M in MS}
-        self.xq = {M: {K: quantize_activation_triton(self.x[M][K]) for K in Ks} for M in MS}
+        self.x = {M: {K: torch.randn(M, K, device=DEV, dtype=torch.bfloat16, generator=g) for K in Ks}
+                  for M in (*MS, TRAIN_TOKENS)}
+        self.xq = {M: {K: quantize_activation_triton(self.x[M][K]) for K in Ks} for M in self.x}
         self.vmeta, self.meta = {}, {}
         for M in MS:
             for S in (1, 32):
@@ -246,7 +247,7 @@ def seq(fns):
 
 
 # ------------------------------------------------------------------------------------------------ tuning
-def candidates(mode: str, bucket: int, N: int, K: int, transposed: bool = False) -> list[GemmConfig]:
+def candidates(mode: str, bucket: int, N: int, K: int) -> list[GemmConfig]:
     """The heuristic config first, then a few tile shapes per bucket in both main-loop orientations
     (swap_ab: weight rows on the MMA's M side, the widened W8A16 tile as wgmma's register operand; or tokens
     on the M side, the weight tile through shared memory with 16-byte loads and the four-codes-per-register
@@ -277,12 +278,17 @@ def candidates(mode: str, bucket: int, N: int, K: int, transposed: bool = False)
                 (64, 256, bk_big, 4, 4), (64, 256, bk_big, 4, 3), (64, 128, bk_big, 4, 3), (128, 256, 64, 8, 4),
                 (64, 128, 128, 4, 2), (64, 128, 64, 4, 4), (64, 128, 64, 4, 6), (128, 64, 128, 4, 3),
                 (64, 128, 256, 4, 2), (64, 256, 64, 4, 3), (64, 256, 64, 4, 4), (128, 128, 64, 8, 3),
-                (128, 128, 64, 4, 3), (64, 128, 64, 4, 3), (128, 256, 64, 8, 2)]
+                (128, 128, 64, 4, 3), (64, 128, 64, 4, 3), (128, 256, 64, 8, 2),
+                # the fastest plain TMA kernel of bench/explore_w8a8.py (tokens on M, 5 stages)
+                (128, 128, 128, 8, 5, False), (128, 128, 128, 8, 6, False)]
     else:
         raw += [(128, 128, bk_big, 8, 4), (256, 128, 64, 8, 3), (256, 128, 128, 8, 3) if fp8 else (128, 256, 64, 8, 4),
                 (128, 128, 64, 8, 5), (256, 128, 64, 8, 4), (128, 256, bk_big, 8, 3, False),
                 (256, 128, bk_big, 8, 3, False), (128, 128, 64, 8, 4, False), (256, 128, 64, 8, 4, False),
-                (128, 256, 64, 8, 5), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (128, 256, 128, 8, 2)]
+                (128, 256, 64, 8, 5), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (128, 256, 128, 8, 2),
+                # two programs per SM (<= ~110 KB of shared memory each): one widens while the other's MMAs run
+                (64, 256, 64, 4, 3), (128, 128, 64, 4, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+                (64, 256, 64, 4, 2), (128, 128, 128, 4, 2)]
     out, seen = [], set()
     for c in raw:
         if isinstance(c, tuple):
@@ -297,8 +303,7 @@ def candidates(mode: str, bucket: int, N: int, K: int, transposed: bool = False)
                 variants.append(dataclasses.replace(c, split_k=max(1, c.split_k // 2)))
             if bucket <= 64:
                 variants.append(dataclasses.replace(c, split_k=3))
-        if not transposed:                                 # and each with TMA weight loads
-            variants += [dataclasses.replace(v, w_tma=True) for v in variants]
+        variants += [dataclasses.replace(v, w_tma=True) for v in variants]   # and each with TMA weight loads
         for cc in variants:
             if cc.key() not in seen:
                 seen.add(cc.key())
@@ -308,8 +313,13 @@ def candidates(mode: str, bucket: int, N: int, K: int, transposed: bool = False)
 
 def _try_variant(c: GemmConfig, best: tuple, layer: Layer, timer: Timer, names, M: int, mode: str, reps: int,
                  report: list) -> tuple:
-    """Time config c summed over the group's projections, record it in report; the better of (time, config)."""
+    """Time config c (a variant of the current winner with the same MMAs: tile order, x loads, widening; its
+    output must have the winner's bits) summed over the group's projections, record it in report; the better
+    of (time, config)."""
     try:
+        for name in names:
+            if not torch.equal(layer.ours_gemm(name, M, mode, c)(), layer.ours_gemm(name, M, mode, best[1])()):
+                raise RuntimeError(f"bits differ from {best[1].key()} on {name} (same MMAs expected)")
         tot = sum(timer.graph_us(layer.ours_gemm(name, M, mode, c), reps) for name in names)
     except Exception as e:
         report.append({"config": c.key(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
@@ -329,6 +339,8 @@ def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | Non
     for mode in ("w8a8", "w8a16"):
         for b in sorted({lg.m_bucket(m) for m in MS}):
             M = max(m for m in MS if lg.m_bucket(m) == b)                  # the largest M of each bucket
+            if mode == "w8a16" and b == lg.M_BUCKETS[-1]:
+                M = TRAIN_TOKENS                # W8A16 at the largest sizes: the trainer's forward (8x1024)
             for (K, ncls), names in groups.items():
                 key = lg.config_key(mode, M, layer.w[names[0]][0].shape[0], K)
                 if keys is None or re.search(keys, key):
@@ -345,7 +357,7 @@ def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | Non
         for name in dx_names:
             x, q, sw, A, B = train_inputs(layer, name)
             N, K = q.shape
-            for c in candidates("w8a16", lg.m_bucket(TRAIN_TOKENS), K, N, transposed=True):
+            for c in candidates("w8a16", lg.m_bucket(TRAIN_TOKENS), K, N):
                 dx_gemm(x, q, sw, A, c)()
     info = tu.precompile(rec, jobs=os.cpu_count() or 8)
     log(f"tune: precompiled {info['kernels']} kernels in {info['seconds']} s ({len(info['errors'])} failed)")
@@ -373,8 +385,11 @@ def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | Non
                 best = (tot, c)
         if best is not None:
             # the tile sweep order over the winner: how many token tiles share a weight tile's L2 lines
-            for gm in (4, 16):
+            for gm in (2, 4, 16):
                 best = _try_variant(dataclasses.replace(best[1], group_m=gm), best, layer, timer, names, M, mode,
+                                    reps, report[key])
+            if not best[1].swap_ab:    # x tiles through TMA too (calls without gathered rows: trainer, base GEMM)
+                best = _try_variant(dataclasses.replace(best[1], x_tma=True), best, layer, timer, names, M, mode,
                                     reps, report[key])
             if mode == "w8a16":
                 # the exact widenings of W8A16 give the same bits; each is timed on the winner's tiles
@@ -395,18 +410,32 @@ def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | Non
         key = lg.config_key("w8a16", TRAIN_TOKENS, K, N, transposed=True)
         best = None
         ref = dx_gemm(x, q, sw, A, None)()
-        for c in candidates("w8a16", lg.m_bucket(TRAIN_TOKENS), K, N, transposed=True):
+
+        def time_dx(c, same_bits_as=None):
             try:
                 out = dx_gemm(x, q, sw, A, c)()
                 if (out.float() - ref.float()).abs().max() > 1e-2 * ref.float().abs().max():
                     raise RuntimeError("output differs from the default config's")
+                if same_bits_as is not None and not torch.equal(out, dx_gemm(x, q, sw, A, same_bits_as)()):
+                    raise RuntimeError(f"bits differ from {same_bits_as.key()} (same MMAs expected)")
                 t = timer.graph_us(dx_gemm(x, q, sw, A, c), min(reps, 10))
             except Exception as e:
                 report.setdefault(key, []).append({"config": c.key(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
-                continue
+                return None
             report.setdefault(key, []).append({"config": c.key(), "us": round(t, 2)})
-            if best is None or t < best[0]:
+            return t
+
+        for c in candidates("w8a16", lg.m_bucket(TRAIN_TOKENS), K, N):
+            t = time_dx(c)
+            if t is not None and (best is None or t < best[0]):
                 best = (t, c)
+        if best is not None:          # tile order, x through TMA and the widenings, each on the current winner
+            for change in [dict(group_m=gm) for gm in (2, 4, 16)] + [dict(x_tma=True)] + [
+                    dict(widen=w) for w in lg.WIDENINGS]:
+                v = dataclasses.replace(best[1], **change)
+                t = None if v == best[1] or (v.x_tma and v.swap_ab) else time_dx(v, same_bits_as=best[1])
+                if t is not None and t < best[0]:
+                    best = (t, v)
         if best is not None:
             table[key] = dataclasses.asdict(best[1])
             log(f"tune {key}: {best[1]} {best[0]:.1f} us")
@@ -430,14 +459,15 @@ _DX_INPUTS: dict = {}
 
 
 def dx_gemm(x, q, sw, A, config):
-    """The backward dx GEMM of the training linear alone (for tuning); fixed dy, dh per shape."""
+    """The backward dx GEMM of the training linear alone (for tuning): gy·q + dh·A_c on the transposed codes,
+    no scale (gy = dy ⊙ s_w, made by dy_prep); fixed gy, dh per shape."""
     T, N = x.shape[0], q.shape[0]
     if (T, N) not in _DX_INPUTS:
         _DX_INPUTS[(T, N)] = (torch.randn(T, N, device=DEV, dtype=torch.bfloat16), torch.randn(1, T, RANK, device=DEV))
-    dy, dh = _DX_INPUTS[(T, N)]
+    gy, dh = _DX_INPUTS[(T, N)]
     Ac = A.to(torch.bfloat16)
-    return lambda: lora_gemm_triton(dy, q.t(), sw, w_scale_axis="reduction", h=dh, B=Ac.t()[None],
-                                    out_dtype=torch.bfloat16, config=config)
+    return lambda: lora_gemm_triton(gy, q.t(), None, h=dh, B=Ac.t()[None], out_dtype=torch.bfloat16,
+                                    config=config)
 
 
 def train_rows(layer: Layer, timer: Timer, reps: int) -> list[dict]:
@@ -495,11 +525,14 @@ def train_rows(layer: Layer, timer: Timer, reps: int) -> list[dict]:
         parts = {
             "fwd": (lambda: lora_gemm_triton(x0, q, sw, h=h, B=Bc[None]), lambda: F.linear(x0, w16)),
             "dx": (dx_gemm(x0, q, sw, A0, None), lambda: F.linear(dy, w16.t())),
+            # the backward's one pass over dy (gy = dy ⊙ s_w and dh = dy·B_c) vs cuBLAS's dh alone
+            "dy_prep": (lambda: dy_prep_triton(dy, sw, Bc), lambda: torch.mm(dy, Bc, out_dtype=torch.float32)),
         }
         for part, (ours_fn, base_fn) in parts.items():
             o, b = timer.graph_us(ours_fn, reps), timer.graph_us(base_fn, reps)
-            rows.append(dict(op=f"train_gemm_{part}:{name}", mode="w8a16", M=TRAIN_TOKENS, adapters=1, rank=RANK,
-                             ours_us=round(o, 2), baseline="cublas_bf16", baseline_us=round(b, 2),
+            rows.append(dict(op=f"train_{'gemm_' if part != 'dy_prep' else ''}{part}:{name}", mode="w8a16",
+                             M=TRAIN_TOKENS, adapters=1, rank=RANK, ours_us=round(o, 2),
+                             baseline="cublas_bf16" if part != "dy_prep" else "cublas_dh_only", baseline_us=round(b, 2),
                              ratio=round(o / b, 3)))
         del w16
         mem = train_memory(layer, name, res["ours"][1])
@@ -527,15 +560,15 @@ def train_memory(layer: Layer, name: str, peak_8k: int) -> dict:
     """What "no bf16 copy of the weight" means, measured two ways (a whole step's peak at 8k tokens is
     dominated by y and dx, which are larger than the weight, so comparing that peak with the weight's size
     says nothing):
-      * at 8k tokens: the peak minus the tensors a forward+backward step of this linear must hold (y, dx, h,
-        dh and their bf16 casts, A_c, B_c, dA, dB): the residual must stay below half the FP8 codes (a
+      * at 8k tokens: the peak minus the tensors a forward+backward step of this linear must hold (y, dx,
+        gy = dy ⊙ s_w, h, dh and their bf16 casts, A_c, B_c, dA, dB): the residual must stay below half the FP8 codes (a
         transposed FP8 copy would add N·K bytes, a bf16 copy 2·N·K);
       * at MEM_TOKENS tokens, after a warm-up step (library workspaces are allocated once per stream): the
         size of every allocation the step makes; none may reach N·K bytes."""
     q, sw, _ = layer.w[name]
     N, K = q.shape
     T, r = TRAIN_TOKENS, RANK
-    required = (T * N * 2 + T * K * 2 + 2 * T * r * 4 + 2 * T * r * 2 + r * K * 2 + N * r * 2 + r * K * 4
+    required = (2 * T * N * 2 + T * K * 2 + 2 * T * r * 4 + 2 * T * r * 2 + r * K * 2 + N * r * 2 + r * K * 4
                 + 2 * N * r * 4)
     g = torch.Generator(device=DEV).manual_seed(2)
     x = torch.randn(MEM_TOKENS, K, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_()
@@ -629,6 +662,7 @@ def main(argv=None):
     ap.add_argument("--tune-keys", default=None, help="retune only the table keys matching this regex (e.g. "
                     "'w8a16\\|(16|64)\\|'); the other entries of the existing table are kept")
     ap.add_argument("--no-train", action="store_true")
+    ap.add_argument("--only-train", action="store_true", help="only the training rows (no layer/gemm rows)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/kernels_h200.json"))
     ap.add_argument("--update-readme", action="store_true", help="replace the results table in bench/README.md")
     a = ap.parse_args(argv)
@@ -659,8 +693,9 @@ def main(argv=None):
         log(f"tuned table written: {path} ({len(table['gemm'])} keys)")
 
     # compile everything the measurements launch, in parallel
+    ms = () if a.only_train else MS
     with tu.collect_launches() as rec:
-        for M in MS:
+        for M in ms:
             for mode in ("w8a8", "w8a16"):
                 for S in (0, 1, 32):
                     for name in PROJ:
@@ -693,7 +728,7 @@ def main(argv=None):
                 log(f"FAILED baseline {base_name} {op} M={M} S={S}: {type(e).__name__}: {e}")
         rows.append(row(op, mode, M, S, o, base_name, b))
 
-    for M in MS:
+    for M in ms:
         for S in (0, 1, 32):
             ours8 = seq([layer.ours_proj(n, M, S, "w8a8") for n in PROJ])
             ours16 = seq([layer.ours_proj(n, M, S, "w8a16") for n in PROJ])

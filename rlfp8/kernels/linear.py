@@ -9,6 +9,8 @@ Arithmetic (the engine's W8A16 arithmetic, so that engine and trainer match):
   - y is rounded to x.dtype once.
 Backward never holds a persistent 16/32-bit copy of the weight (the reference widens q transiently):
   dx = (dy * s_w) @ q + (dy @ B_c) @ A_c,   dB = s * dy^T @ h,   dA = (dy @ B_c)^T @ x.
+  (The Triton backward rounds gy = dy * s_w once to x.dtype, so its dx GEMM is the forward's exact W8A16
+  loop on the transposed codes; `dy_prep_ref` is that step's reference.)
 
 `lora_linear` dispatches: Triton on CUDA (rlfp8.kernels.linear_triton), this torch reference on the CPU.
 `dense_lora_linear` is the 16-bit-base arm (trainer.weights=bf16), plain torch like PEFT.
@@ -39,6 +41,14 @@ def lora_linear_forward_ref(x, q, scale, A, B, lora_scale: float, bias=None):
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype).reshape(*x.shape[:-1], q.shape[0]), h
+
+
+def dy_prep_ref(dy: torch.Tensor, w_scale: torch.Tensor, B_c: torch.Tensor | None = None):
+    """Reference of the Triton backward's first step: gy = (dy ⊙ w_scale) rounded once to dy.dtype [T, N]
+    and dh = dy·B_c in fp32 [T, r] (None without B_c). dy [T, N]; w_scale [N] fp32; B_c [N, r]."""
+    gy = (dy.float() * w_scale.float()[None, :]).to(dy.dtype)
+    dh = dy.float() @ B_c.float() if B_c is not None else None
+    return gy, dh
 
 
 class LoRALinearRef(torch.autograd.Function):

@@ -6,12 +6,13 @@ operand roundings: A_c = A.to(x.dtype), B_c = (B·s).to(x.dtype) (s folded into 
 It calls the same kernels with the same configs as `fp8_lora_linear(..., mode="w8a16")`, so for the same
 rows (same T, same projection) engine and trainer outputs are bit-identical (the matched property).
 
-Backward (dy [T, N], no bf16 copy of the weight ever exists):
-  dh = dy·B_c              [T, r]  fp32 (cuBLAS bf16 MMA, fp32 output)
-  dx = dy·(s_w ⊙ q) + dh·A_c  [T, K]: K2 on the transposed FP8 view qᵀ [K, N] (strides (1, K)); the codes
-       are widened and scaled per reduction index in registers (s_w·q rounded once to x.dtype: the only
-       rounding the fp32 reference does not have, |err| <= 2^-9 relative per weight, a bf16 weight's
-       rounding), dh·A_c added in the epilogue (A_cᵀ read as the epilogue's "B", h = dh fp32);
+Backward (dy [T, N], no bf16 copy of the weight ever exists), the DESIGN contract's form:
+  gy = (dy ⊙ s_w) rounded once to x.dtype [T, N],  dh = dy·B_c [T, r] fp32: one pass over dy (`dy_prep`,
+       below: each program streams its token rows through N once, storing gy and accumulating dh)
+  dx = gy·q + dh·A_c  [T, K]: K2 on the transposed FP8 view qᵀ [K, N] (strides (1, K)) with no scale at all,
+       the codes widened exactly in registers as in the forward (the scale went into gy, so the main loop is
+       the forward's W8A16 loop), dh·A_c added in the epilogue (A_cᵀ read as the epilogue's "B", h = dh);
+       rounding: gy's, where the fp32 reference has none (|err| <= 2^-9 relative per element of gy);
   dA = dhᵀ·x  [r, K],  dB = s·dyᵀ·h  [N, r]: bf16 MMA with fp32 output (dh and h rounded to bf16 as PEFT's
        bf16 LoRA does), cast to the parameters' dtype.
 x must be bf16 or fp16 (the kernels' 16-bit MMA); other dtypes raise (use the torch reference).
@@ -19,12 +20,96 @@ x must be bf16 or fp16 (the kernels' 16-bit MMA); other dtypes raise (use the to
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from . import dispatch
+from ._triton_utils import check_tensor, launch, next_pow2, require_triton_device
 from .lora_gemm import lora_gemm_triton
 from .lora_shrink import lora_shrink_triton
 
 OP = "lora_linear"
+NUM_SMS_HINT = 132
+
+
+@triton.jit
+def _dy_prep_kernel(dy_ptr, sw_ptr, b_ptr, gy_ptr, dh_ptr, T, N, R, N_CHUNK,
+                    stride_dt, stride_dn, stride_gt, stride_gn, stride_bn, stride_br, stride_hc, stride_ht, stride_hr,
+                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, HAS_B: tl.constexpr,
+                    EVEN_N: tl.constexpr):
+    # program (token block, column chunk): BLOCK_T rows x N_CHUNK columns of dy, read once; gy stored, the
+    # chunk's partial dh [BT, r] stored to its own plane of the fp32 workspace (summed in chunk order after)
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)                   # [BT]
+    t_ok = offs_t < T
+    rows = tl.where(t_ok, offs_t, 0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)                # partial dh rows [BT, BR]
+    n_lo = pid_c * N_CHUNK
+    n_hi = tl.minimum(N, n_lo + N_CHUNK)
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_hi
+        if EVEN_N:
+            d = tl.load(dy_ptr + rows[:, None] * stride_dt + offs_n[None, :] * stride_dn)            # [BT, BN]
+            sw = tl.load(sw_ptr + offs_n)
+        else:
+            d = tl.load(dy_ptr + rows[:, None] * stride_dt + offs_n[None, :] * stride_dn, mask=n_ok[None, :],
+                        other=0.0)
+            sw = tl.load(sw_ptr + offs_n, mask=n_ok, other=0.0)
+        gy = (d.to(tl.float32) * sw[None, :]).to(gy_ptr.dtype.element_ty)                            # one rounding
+        tl.store(gy_ptr + rows[:, None] * stride_gt + offs_n[None, :] * stride_gn, gy,
+                 mask=t_ok[:, None] & n_ok[None, :])
+        if HAS_B:
+            b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                        mask=n_ok[:, None] & r_ok[None, :], other=0.0)                               # [BN, BR]
+            acc = tl.dot(d, b, acc)                                     # 16-bit products, fp32 accumulation
+    if HAS_B:
+        tl.store(dh_ptr + pid_c * stride_hc + rows[:, None] * stride_ht + offs_r[None, :] * stride_hr, acc,
+                 mask=t_ok[:, None] & r_ok[None, :])
+
+
+def dy_prep_triton(dy: torch.Tensor, w_scale: torch.Tensor, B_c: torch.Tensor | None = None,
+                   block_t: int = 64, block_n: int = 128, chunks: int | None = None, num_warps: int = 8,
+                   num_stages: int = 3):
+    """gy = (dy ⊙ w_scale) rounded once to dy.dtype [T, N], and dh = dy·B_c [T, r] fp32 (None without B_c),
+    reading dy once. dy [T, N] bf16/fp16; w_scale [N] fp32; B_c [N, r] in dy.dtype. Reference: linear.dy_prep_ref.
+
+    The grid is (token blocks, column chunks): a memory-bound pass needs many programs in flight, so N is cut
+    into `chunks` (default: enough for ~4 programs per SM); each chunk's partial dh goes to its own fp32 plane
+    and the planes are summed in chunk order (deterministic; chunks * T * r * 4 bytes, a few MiB)."""
+    check_tensor(OP, "dy", dy, ndim=2, dtypes=(torch.bfloat16, torch.float16))
+    T, N = dy.shape
+    check_tensor(OP, "w_scale", w_scale, shape=(N,), dtypes=(torch.float32,), device=dy.device)
+    if B_c is not None:
+        check_tensor(OP, "B_c", B_c, ndim=2, dtypes=(dy.dtype,), device=dy.device)
+        if B_c.shape[0] != N:
+            raise ValueError(f"rlfp8.kernels.{OP}: B_c must be [N={N}, r], got {tuple(B_c.shape)}")
+    require_triton_device(OP, dy)
+    dispatch.record(f"{OP}.dy_prep", "triton")
+    gy = torch.empty((T, N), dtype=dy.dtype, device=dy.device)
+    r = B_c.shape[1] if B_c is not None else 0
+    if T == 0 or N == 0:
+        return gy, (torch.zeros((T, r), dtype=torch.float32, device=dy.device) if B_c is not None else None)
+    t_blocks = triton.cdiv(T, block_t)
+    n_blocks = triton.cdiv(N, block_n)
+    if chunks is None:
+        chunks = triton.cdiv(4 * NUM_SMS_HINT, t_blocks)
+    chunks = max(1, min(chunks, n_blocks))
+    n_chunk = triton.cdiv(n_blocks, chunks) * block_n                   # whole BLOCK_N tiles per chunk
+    chunks = triton.cdiv(N, n_chunk)
+    part = torch.empty((chunks, T, r), dtype=torch.float32, device=dy.device) if B_c is not None else gy[None]
+    b = B_c if B_c is not None else gy
+    launch(_dy_prep_kernel, (t_blocks, chunks), dy, w_scale, b, gy, part, T, N, r, n_chunk,
+           dy.stride(0), dy.stride(1), gy.stride(0), gy.stride(1), b.stride(0), b.stride(1),
+           part.stride(0), part.stride(1), part.stride(2),
+           BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=max(16, next_pow2(r)), HAS_B=B_c is not None,
+           EVEN_N=N % block_n == 0, num_warps=num_warps, num_stages=num_stages)
+    if B_c is None:
+        return gy, None
+    return gy, (part[0] if chunks == 1 else part.sum(0))
 
 
 _MM_OUT_DTYPE: dict[tuple, bool] = {}
@@ -86,14 +171,13 @@ class LoRALinearTriton(torch.autograd.Function):
         if dy2.stride(-1) != 1:
             dy2 = dy2.contiguous()
         dx = dA = dB = None
-        dh = _mm_f32(dy2, B_c) if A is not None else None                      # [T, r] fp32
+        dh = None
         if ctx.needs_input_grad[0]:
-            if A is not None:
-                dx = lora_gemm_triton(dy2, q.t(), scale, w_scale_axis="reduction", h=dh[None],
-                                      B=A_c.t()[None], out_dtype=x2.dtype)
-            else:
-                dx = lora_gemm_triton(dy2, q.t(), scale, w_scale_axis="reduction", out_dtype=x2.dtype)
-            dx = dx.reshape(ctx.x_shape)
+            gy, dh = dy_prep_triton(dy2, scale, B_c)                           # [T, N] x.dtype, [T, r] fp32
+            lora = dict(h=dh[None], B=A_c.t()[None]) if A is not None else {}
+            dx = lora_gemm_triton(gy, q.t(), None, out_dtype=x2.dtype, **lora).reshape(ctx.x_shape)
+        elif A is not None:
+            dh = _mm_f32(dy2, B_c)                                              # [T, r] fp32
         if A is not None and ctx.needs_input_grad[3]:
             dA = _mm_f32(dh.to(x2.dtype).t(), x2).to(A.dtype)                   # [r, K]
         if B is not None and ctx.needs_input_grad[4]:

@@ -210,6 +210,10 @@ class GemmConfig:
     w_tma: bool = False   # load the weight tiles with TMA (host TensorDescriptor) instead of cp.async
     widen: str = "bits"   # W8A16 with bf16 x: "bits", "prmt" or "cvt" (see WIDENINGS); same results
     swap_ab: bool = True  # weight rows on wgmma's M side (register-A widening) or tokens (weight tile via smem)
+    x_tma: bool = False   # load the x tiles with TMA too, where the rows are not gathered (no metadata or no
+                          # adapter) and tokens sit on the MMA's M side (swap_ab=False); same MMAs, same bits.
+                          # Elsewhere x keeps the pointer loads (dispatch records "lora_gemm.x_loads"): with
+                          # swap_ab the transposed TMA tile gave wrong results on the H200 under Triton 3.6
 
     def key(self) -> tuple:
         return tuple(asdict(self).values())
@@ -299,7 +303,7 @@ def gemm_config(mode: str, M: int, N: int, K: int, device=None, transposed: bool
 # kernel
 @triton.jit
 def _lora_gemm_kernel(
-    w_ptr, x_ptr, y_ptr, sw_ptr, sx_ptr,          # w_ptr: pointer, or a TensorDescriptor [N, K] when W_TMA
+    w_ptr, x_ptr, y_ptr, sw_ptr, sx_ptr,          # w_ptr: pointer, or a TensorDescriptor when W_TMA
     h_ptr, b0_ptr, b1_ptr, b2_ptr, slot_ptr, perm_ptr, g_ptr, bias_ptr,
     part_ptr, cnt_ptr,
     M, N, K, R, end0, end1,
@@ -312,7 +316,7 @@ def _lora_gemm_kernel(
     GROUP_M: tl.constexpr, RED_UNROLL: tl.constexpr,
     WIDEN_W: tl.constexpr,      # W8A16: widen the e4m3 tile to x's dtype in registers (else FP8 MMA)
     WIDEN_ASM: tl.constexpr,    # ... 1: _e4m3_to_bf16, 2: the PRMT widening (x4 / x2 by SWAP_AB; bf16 x, GPU code), 0: .to()
-    SCALE_W: tl.constexpr,      # 0 none, 1 per output column (epilogue), 2 per reduction index (main loop)
+    SCALE_W: tl.constexpr,      # 0 none (the backward dx GEMM: the scale is in its x), 1 per output column
     HAS_XS: tl.constexpr,       # per-token activation scale (W8A8)
     HAS_LORA: tl.constexpr, N_SLICES: tl.constexpr, BLOCK_R: tl.constexpr,
     ALL_SLOT0: tl.constexpr,    # no metadata: every row uses slot 0 (trainer)
@@ -321,8 +325,11 @@ def _lora_gemm_kernel(
     PIPE_SLOTS: tl.constexpr,   # epilogue variant for many adapters (h loaded once, next B prefetched); same bits
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     USE_PDL: tl.constexpr, PDL_WAIT_EARLY: tl.constexpr,
-    W_TMA: tl.constexpr,        # weight tiles through TMA (w_ptr is a descriptor with block [BLOCK_N, BLOCK_K])
+    W_TMA: tl.constexpr,        # weight tiles through TMA: 1 = descriptor over q [N, K], block [BLOCK_N, BLOCK_K];
+                                # 2 = q is a transposed view (the backward's qᵀ), the descriptor is over the
+                                # stored codes [K, N] with block [BLOCK_K, BLOCK_N], transposed in shared memory
     SWAP_AB: tl.constexpr,      # True: accᵀ = W·xᵀ (weight rows on wgmma's M side); False: acc = x·Wᵀ
+    X_TMA: tl.constexpr,        # x tiles through TMA (x_ptr is a descriptor over x [M, K], block [BLOCK_M, BLOCK_K])
     FP8_ACC: tl.constexpr,      # W8A8: max_num_imprecise_acc for the FP8 wgmma (None = Triton's sm_90 default,
                                 # fast accumulation as CUTLASS's FastAccum; an int promotes every FP8_ACC k)
 ):
@@ -364,30 +371,34 @@ def _lora_gemm_kernel(
     if not W_TMA:
         w_ptrs = w_ptr + n_ld.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :] * stride_wk  # [BN, BK]
     if SWAP_AB:
-        x_ptrs = x_ptr + rows64[None, :] * stride_xm + (k_lo + offs_k)[:, None] * stride_xk        # [BK, BM]
+        if not X_TMA:
+            x_ptrs = x_ptr + rows64[None, :] * stride_xm + (k_lo + offs_k)[:, None] * stride_xk    # [BK, BM]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
-        x_ptrs = x_ptr + rows64[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk        # [BM, BK]
+        if not X_TMA:
+            x_ptrs = x_ptr + rows64[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk    # [BM, BK]
         acc_mn = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
-        if W_TMA:
+        if W_TMA == 1:
             w = w_ptr.load([pid_n * BLOCK_N, k])                  # out-of-range rows/cols read as 0
+        elif W_TMA == 2:
+            w = tl.trans(w_ptr.load([k, pid_n * BLOCK_N]))
         elif EVEN_K:
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=((k + offs_k) < K)[None, :], other=0.0)
-        if EVEN_K:
+        if X_TMA:
+            xt = x_ptr.load([pid_m * BLOCK_M, k])                 # [BM, BK], zero beyond M and K
+            if SWAP_AB:
+                xt = tl.trans(xt)
+        elif EVEN_K:
             xt = tl.load(x_ptrs)
         elif SWAP_AB:
             xt = tl.load(x_ptrs, mask=((k + offs_k) < K)[:, None], other=0.0)
         else:
             xt = tl.load(x_ptrs, mask=((k + offs_k) < K)[None, :], other=0.0)
         if WIDEN_W:
-            if SCALE_W == 2:
-                # backward dx: the scale runs along the reduction; s_w·q is rounded to x's dtype here
-                sw_k = tl.load(sw_ptr + k + offs_k, mask=(k + offs_k) < K, other=0.0)
-                wv = (w.to(tl.float32) * sw_k[None, :]).to(xt.dtype)
-            elif WIDEN_ASM == 2:
+            if WIDEN_ASM == 2:
                 if SWAP_AB:
                     wv = _e4m3x2_to_bf16(w)                       # exact, no conversion instruction
                 else:
@@ -405,7 +416,8 @@ def _lora_gemm_kernel(
             acc_mn = tl.dot(xt, tl.trans(wv), acc_mn, max_num_imprecise_acc=None if WIDEN_W else FP8_ACC)
         if not W_TMA:
             w_ptrs += BLOCK_K * stride_wk
-        x_ptrs += BLOCK_K * stride_xk
+        if not X_TMA:
+            x_ptrs += BLOCK_K * stride_xk
     if not SWAP_AB:
         acc = tl.trans(acc_mn)                                    # [BN, BM]: the epilogue's orientation
 
@@ -540,16 +552,15 @@ def _mode_of(x: torch.Tensor) -> str:
     return "w8a8" if x.dtype == FP8_DTYPE else "w8a16"
 
 
-def _check(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype, w_scale_axis):
+def _check(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype):
     M, K = x.shape if x.dim() == 2 else (None, None)
     check_tensor(OP, "x", x, ndim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE))
     check_tensor(OP, "q", q, ndim=2, dtypes=(FP8_DTYPE,), device=x.device)
     N = q.shape[0]
     if q.shape[1] != K:
         raise ValueError(f"rlfp8.kernels.{OP}: q {tuple(q.shape)} must be [N, K] with K = x.shape[1] = {K}")
-    n_scale = K if w_scale_axis == "reduction" else N
     if w_scale is not None:
-        check_tensor(OP, "w_scale", w_scale, shape=(n_scale,), dtypes=(torch.float32,), device=x.device)
+        check_tensor(OP, "w_scale", w_scale, shape=(N,), dtypes=(torch.float32,), device=x.device)
     mode = _mode_of(x)
     if mode == "w8a8":
         if x_scale is None:
@@ -595,18 +606,14 @@ def _check(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype, w_scale_axis)
 
 
 def lora_gemm_ref(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAMeta | None = None, g=None,
-                  bias=None, out_dtype=None, w_scale_axis: str = "out", **_ignored) -> torch.Tensor:
+                  bias=None, out_dtype=None, **_ignored) -> torch.Tensor:
     """Plain torch, fp32: acc = x·qᵀ; scale; + h·B_slotᵀ per slice and slot; · g; + bias; one cast."""
-    mode, slices = _check(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype, w_scale_axis)
+    mode, slices = _check(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype)
     M, K = x.shape
     N = q.shape[0]
     out_dtype = out_dtype or (torch.bfloat16 if mode == "w8a8" else x.dtype)
-    qf = q.float()
-    if w_scale is not None and w_scale_axis == "reduction":
-        # dx path: s_w·q rounded to x.dtype (the kernel's rounding point), then an exact-operand GEMM
-        qf = (qf * w_scale[None, :]).to(x.dtype).float()
-    acc = x.float() @ qf.t()                                                       # [M, N]
-    if w_scale is not None and w_scale_axis == "out":
+    acc = x.float() @ q.float().t()                                                # [M, N]
+    if w_scale is not None:
         acc = acc * (w_scale[None, :] * x_scale.reshape(M, 1)) if mode == "w8a8" else acc * w_scale[None, :]
     elif mode == "w8a8":
         acc = acc * x_scale.reshape(M, 1)
@@ -631,9 +638,8 @@ def lora_gemm_ref(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAMeta
 
 def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAMeta | None = None, g=None,
                      bias=None, out_dtype=None, out=None, config: GemmConfig | None = None, gather=None,
-                     lora_precision: str = "bf16x2", use_pdl: bool = False,
-                     w_scale_axis: str = "out") -> torch.Tensor:
-    mode, slices = _check(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype, w_scale_axis)
+                     lora_precision: str = "bf16x2", use_pdl: bool = False) -> torch.Tensor:
+    mode, slices = _check(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype)
     if lora_precision not in LORA_PRECISIONS:
         raise ValueError(f"rlfp8.kernels.{OP}: lora_precision {lora_precision!r}: allowed {LORA_PRECISIONS}")
     if x.dtype == torch.float32:
@@ -653,7 +659,8 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = config or gemm_config(mode, M, N, K, dev, transposed=w_scale_axis == "reduction")
+    # a transposed view of the codes (the backward's qᵀ, strides (1, N)) has its own tuned entries
+    cfg = config or gemm_config(mode, M, N, K, dev, transposed=q.stride(1) != 1 and q.stride(0) == 1)
     if cfg.block_m < 16 or cfg.block_n < 16 or cfg.block_k < 16:
         raise ValueError(f"rlfp8.kernels.{OP}: tile dims must be >= 16 (tl.dot), got {cfg}")
     if cfg.widen not in WIDENINGS:
@@ -688,22 +695,31 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     red_unroll = cfg.block_n * cfg.block_m * (cfg.split_k - 1) <= 64 * 32 * cfg.num_warps
     slot_t = meta.token_lora_mapping if (has_lora and meta is not None) else dummy
     perm_t = meta.token_indices_sorted_by_lora_ids if gather else dummy
-    scale_w = 0 if w_scale is None else (2 if w_scale_axis == "reduction" else 1)
     widen_asm = 0
-    if (mode == "w8a16" and x.dtype == torch.bfloat16 and scale_w != 2 and W8A16_WIDEN == "bits"
+    if (mode == "w8a16" and x.dtype == torch.bfloat16 and W8A16_WIDEN == "bits"
             and not dispatch.triton_interpreting()):
         widen_asm = {"bits": 1, "prmt": 2, "cvt": 0}[cfg.widen]
-    w_arg, w_tma = q, False
+    w_arg, w_tma = q, 0
     if cfg.w_tma:
-        # TMA needs a K-contiguous weight with 16-byte aligned base and rows (true for the stored codes;
-        # the backward's transposed view qᵀ never asks for it)
-        if q.stride(1) != 1 or q.stride(0) % 16 or q.data_ptr() % 16:
-            raise ValueError(f"rlfp8.kernels.{OP}: config w_tma needs a row-major q with 16-byte aligned rows, "
-                             f"got q {tuple(q.shape)} strides {q.stride()}")
+        # TMA needs a contiguous last dim with 16-byte aligned base and rows: the stored codes [N, K], or the
+        # backward's transposed view qᵀ of codes stored [K, N] (described as stored, transposed in the kernel)
         from triton.tools.tensor_descriptor import TensorDescriptor
-        w_arg, w_tma = TensorDescriptor.from_tensor(q, [cfg.block_n, cfg.block_k]), True
+        if q.stride(1) == 1 and q.stride(0) % 16 == 0 and q.data_ptr() % 16 == 0:
+            w_arg, w_tma = TensorDescriptor.from_tensor(q, [cfg.block_n, cfg.block_k]), 1
+        elif q.stride(0) == 1 and q.stride(1) % 16 == 0 and q.data_ptr() % 16 == 0:
+            w_arg, w_tma = TensorDescriptor.from_tensor(q.t(), [cfg.block_k, cfg.block_n]), 2
+        else:
+            raise ValueError(f"rlfp8.kernels.{OP}: config w_tma needs q (or its transpose) row-major with 16-byte "
+                             f"aligned rows, got q {tuple(q.shape)} strides {q.stride()}")
+    x_arg, x_tma = x, False
+    if cfg.x_tma:
+        if (not gather and not cfg.swap_ab and x.stride(0) * x.element_size() % 16 == 0
+                and x.data_ptr() % 16 == 0):
+            from triton.tools.tensor_descriptor import TensorDescriptor
+            x_arg, x_tma = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]), True
+        dispatch.record(f"{OP}.x_loads", "tma" if x_tma else "pointer")
     launch(_lora_gemm_kernel, (m_tiles * n_tiles * cfg.split_k,),
-           w_arg, x, out, w_scale if w_scale is not None else dummy, x_scale if x_scale is not None else dummy,
+           w_arg, x_arg, out, w_scale if w_scale is not None else dummy, x_scale if x_scale is not None else dummy,
            h if has_lora else dummy, *b_ptrs, slot_t, perm_t, g if g is not None else dummy,
            bias if bias is not None else dummy, part, cnt,
            M, N, K, r, ends[0], ends[1],
@@ -712,12 +728,12 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
            g.stride(0) if g is not None else 0, g.stride(1) if g is not None else 0,
            BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
            GROUP_M=cfg.group_m, RED_UNROLL=red_unroll, WIDEN_W=mode == "w8a16", WIDEN_ASM=widen_asm,
-           SCALE_W=scale_w, HAS_XS=mode == "w8a8", HAS_LORA=has_lora, N_SLICES=L, PIPE_SLOTS=pipe_slots,
+           SCALE_W=int(w_scale is not None), HAS_XS=mode == "w8a8", HAS_LORA=has_lora, N_SLICES=L, PIPE_SLOTS=pipe_slots,
            BLOCK_R=max(16, next_pow2(r)), ALL_SLOT0=meta is None,
            GATHER=bool(gather), HAS_G=g is not None and has_lora, HAS_BIAS=bias is not None,
            LORA_PREC=lora_precision, LORA_DT=_lora_dt(slices[0].dtype if has_lora else None),
            EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,
-           USE_PDL=use_pdl, PDL_WAIT_EARLY=mode == "w8a8", W_TMA=w_tma, SWAP_AB=cfg.swap_ab,
+           USE_PDL=use_pdl, PDL_WAIT_EARLY=mode == "w8a8", W_TMA=w_tma, SWAP_AB=cfg.swap_ab, X_TMA=x_tma,
            FP8_ACC=None if FP8_PRECISE_ACC is None else min(FP8_PRECISE_ACC, cfg.block_k),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
     return out

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 from rlfp8.kernels import _triton_utils as tu  # noqa: E402
 from rlfp8.kernels.fp8_triton import quantize_activation_triton, quantize_weight_triton  # noqa: E402
+from rlfp8.kernels.linear_triton import dy_prep_triton  # noqa: E402
 from rlfp8.kernels.lora_gemm import (M_BUCKETS, GemmConfig, _tuned_table, gemm_config,  # noqa: E402
                                      lora_gemm_triton)
 from rlfp8.kernels.lora_shrink import lora_shrink_triton  # noqa: E402
@@ -76,7 +77,8 @@ def collect() -> list:
             A1, B1 = _e(r, K), _e(N, r)
             lora_shrink_triton(x, A1[None], None)
             lora_gemm_triton(x, q, sw, h=torch.empty(1, T, r), B=B1[None])
-            lora_gemm_triton(dy, q.t(), sw, w_scale_axis="reduction", h=torch.empty(1, T, r), B=A1.t()[None])
+            lora_gemm_triton(dy, q.t(), None, h=torch.empty(1, T, r), B=A1.t()[None])
+            dy_prep_triton(dy, torch.empty(N), _e(N, r))
         # TMA weight loads (a tuning option) at three buckets, both modes
         K, N = 4096, 6144
         q, sw = _e(N, K, dtype=FP8), torch.empty(N)
@@ -85,6 +87,7 @@ def collect() -> list:
                 mode = "w8a8" if xs is not None else "w8a16"
                 cfg = dataclasses.replace(gemm_config(mode, M, N, K), w_tma=True)
                 lora_gemm_triton(xx, q, sw, x_scale=xs, config=cfg)
+                lora_gemm_triton(xx, q, sw, x_scale=xs, config=dataclasses.replace(cfg, x_tma=True, swap_ab=False))
         # the other main-loop orientation (tokens on the MMA's M side, weight tile through shared memory) with
         # the four-codes-per-register widening, at decode, small-prefill and training sizes, with one adapter
         for M in (16, 64, 2048):
@@ -96,8 +99,12 @@ def collect() -> list:
                 lora_gemm_triton(xx, q, sw, x_scale=xs, h=torch.empty(1, M, r), B=_e(1, N, r), meta=meta1,
                                  config=cfg)
         cfg = dataclasses.replace(gemm_config("w8a16", 8192, K, N, transposed=True), swap_ab=False)
-        lora_gemm_triton(_e(8192, N), q.t(), sw, w_scale_axis="reduction", h=torch.empty(1, 8192, r),
+        lora_gemm_triton(_e(8192, N), q.t(), None, h=torch.empty(1, 8192, r),
                          B=_e(r, K).t()[None], config=cfg)
+        for swap in (True, False):                    # the dx GEMM with TMA on the stored codes and on gy
+            cfg = dataclasses.replace(gemm_config("w8a16", 8192, K, N, transposed=True), swap_ab=swap, w_tma=True,
+                                      x_tma=not swap)
+            lora_gemm_triton(_e(8192, N), q.t(), None, h=torch.empty(1, 8192, r), B=_e(r, K).t()[None], config=cfg)
         # the 64-token config the H200 tuner chose, with one adapter (a register budget the compile test checks)
         meta1 = build_lora_meta(torch.zeros(64, dtype=torch.long), 1)
         for xx, xs in ((_e(64, K), None), (_e(64, K, dtype=FP8), torch.empty(64, 1))):
@@ -124,8 +131,7 @@ def collect() -> list:
             xx = _e(M, K, dtype=FP8 if mode == "w8a8" else BF16)
             if mode == "w8a16T":                          # the training backward's dx GEMM (transposed codes)
                 T = 8192
-                lora_gemm_triton(_e(T, K), _e(K, N, dtype=FP8).t(),
-                                 torch.empty(K), w_scale_axis="reduction", h=torch.empty(1, T, r),
+                lora_gemm_triton(_e(T, K), _e(K, N, dtype=FP8).t(), None, h=torch.empty(1, T, r),
                                  B=_e(r, N).t()[None], config=GemmConfig(**entry))
                 continue
             lora_gemm_triton(xx, _e(N, K, dtype=FP8), torch.empty(N), x_scale=torch.empty(M, 1) if mode == "w8a8"

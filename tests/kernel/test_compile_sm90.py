@@ -30,7 +30,7 @@ def compiled():
 
 def test_all_kernels_compile(compiled):
     names = {r["name"] for r in compiled}
-    assert names == {"_quant_rows_kernel", "_lora_shrink_kernel", "_lora_gemm_kernel"}, names
+    assert names == {"_quant_rows_kernel", "_lora_shrink_kernel", "_lora_gemm_kernel", "_dy_prep_kernel"}, names
     failed = [f"{r['name']} {r.get('constexprs')}: {r['error']}" for r in compiled if not r["ok"]]
     assert not failed, "\n".join(failed)
     too_big = [(r["name"], r["shared"], r["constexprs"]) for r in compiled if r["shared"] > SMEM_MAX]
@@ -51,12 +51,15 @@ def test_gemms_use_wgmma_with_register_a_in_w8a16(compiled):
     for r in noswap:
         big = r["constexprs"]["BLOCK_M"] >= 64
         assert r["wgmma"] if big else r["mma_sync"], r["constexprs"]    # (the LoRA epilogue may add a wgmma)
-    assert any(r["constexprs"]["SCALE_W"] == 2 for r in w8a16)          # the backward dx kernel
-    assert any(r["constexprs"]["SCALE_W"] == 2 for r in noswap)
+    assert any(r["constexprs"]["SCALE_W"] == 0 for r in w8a16)          # the backward dx kernel (no scale)
+    assert any(r["constexprs"]["SCALE_W"] == 0 and r["constexprs"]["WIDEN_W"] for r in noswap)
     assert {r["constexprs"]["N_SLICES"] for r in gemms if r["constexprs"]["HAS_LORA"]} == {1, 2, 3}
     assert any(r["constexprs"]["SPLIT_K"] > 1 for r in gemms)
     tma = [r for r in gemms if r["constexprs"]["W_TMA"]]
     assert len(tma) >= 6 and all(r["tma"] for r in tma) and not any(r["tma"] for r in gemms if r not in tma)
+    x_tma = [r for r in gemms if r["constexprs"]["X_TMA"]]
+    assert len(x_tma) >= 4 and not any(r["constexprs"]["SWAP_AB"] for r in x_tma) and all(r["tma"] for r in x_tma)
+    assert any(r["constexprs"]["W_TMA"] == 2 for r in gemms)          # the backward's transposed codes
     big_shrinks = [r for r in compiled if r["name"] == "_lora_shrink_kernel" and r["constexprs"]["BLOCK_M"] >= 64]
     assert big_shrinks and all(r["wgmma"] for r in big_shrinks)
 
@@ -78,9 +81,9 @@ def test_w8a16_widening_avoids_f2f(compiled):
     gemms = [r for r in compiled if r["name"] == "_lora_gemm_kernel" and r["constexprs"]["WIDEN_W"]]
     bits = [r for r in gemms if r["constexprs"]["WIDEN_ASM"] == 1]
     prmt = [r for r in gemms if r["constexprs"]["WIDEN_ASM"] == 2]
-    dx = [r for r in gemms if r["constexprs"]["SCALE_W"] == 2]         # scales in fp32 first: e4m3 -> f32, no F2F
-    cvt = [r for r in gemms if not r["constexprs"]["WIDEN_ASM"] and r["constexprs"]["SCALE_W"] != 2]
-    assert len(bits) >= 20 and len(prmt) >= 3 and cvt and dx
+    dx = [r for r in gemms if r["constexprs"]["SCALE_W"] == 0]         # the backward's: the same widenings
+    cvt = [r for r in gemms if not r["constexprs"]["WIDEN_ASM"]]
+    assert len(bits) >= 20 and len(prmt) >= 3 and cvt and dx and all(r["constexprs"]["WIDEN_ASM"] for r in dx)
     assert all(r["widen_bits"] for r in bits)
     assert all(r["widen_prmt"] for r in prmt)
     if "mma_loop_f2f" in bits[0]:                                      # cuobjdump available (bundled)
@@ -100,7 +103,8 @@ def test_no_register_spills_where_occupancy_matters(compiled):
     k1 = [r for r in rows if r["name"] == "_lora_shrink_kernel"]
     base = [r for r in rows if r["name"] == "_lora_gemm_kernel" and not r["constexprs"]["HAS_LORA"]]
     small = [r for r in rows if r["name"] == "_lora_gemm_kernel" and r["constexprs"]["BLOCK_M"] <= 32]
-    for r in k1 + base + small:
+    prep = [r for r in rows if r["name"] == "_dy_prep_kernel"]
+    for r in k1 + base + small + prep:
         assert r["stack"] == 0, (r["name"], r["constexprs"], r["regs"], r["stack"])
     lora = [r for r in rows if r["name"] == "_lora_gemm_kernel" and r["constexprs"]["HAS_LORA"]]
     assert {r["constexprs"]["PIPE_SLOTS"] for r in lora if not r["constexprs"]["ALL_SLOT0"]} == {True, False}

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from rlfp8.kernels import dispatch, fp8
-from rlfp8.kernels.linear import LoRALinearRef, lora_linear
-from rlfp8.kernels.linear_triton import lora_linear_triton
+from rlfp8.kernels.linear import LoRALinearRef, dy_prep_ref, lora_linear
+from rlfp8.kernels.linear_triton import dy_prep_triton, lora_linear_triton
 from rlfp8.kernels.lora_gemm import fp8_lora_linear
 from rlfp8.kernels.metadata import build_lora_meta
 from tests.conftest import rel_err
@@ -89,8 +89,9 @@ def test_matched_property_engine_w8a16_equals_trainer_forward(device):
 
 
 def test_backward_dx_reads_the_fp8_codes_in_place(device, monkeypatch):
-    """dx = dy·(s_w ⊙ q) runs K2 on the transposed VIEW of the codes: same storage, strides (1, K); nothing
-    copies, transposes or widens the weight outside the kernel (no .contiguous(), no .t().clone(), no bf16)."""
+    """dx = (dy ⊙ s_w)·q runs K2 on the transposed VIEW of the codes: same storage, strides (1, K), no scale;
+    nothing copies, transposes or widens the weight outside the kernel (no .contiguous(), no .t().clone(), no
+    bf16)."""
     from rlfp8.kernels import linear_triton as lt
     M, K, N, r = 24, 64, 96, 8
     x = torch.randn(M, K, dtype=torch.bfloat16, device=device, requires_grad=True)
@@ -101,11 +102,35 @@ def test_backward_dx_reads_the_fp8_codes_in_place(device, monkeypatch):
     real = lt.lora_gemm_triton
 
     def spy(xx, qq, *a, **kw):
-        seen.append((qq.data_ptr(), qq.shape, qq.stride(), qq.dtype, kw.get("w_scale_axis", "out")))
+        seen.append((qq.data_ptr(), qq.shape, qq.stride(), qq.dtype, a[0] is None))
         return real(xx, qq, *a, **kw)
 
     monkeypatch.setattr(lt, "lora_gemm_triton", spy)
     y = lora_linear_triton(x, q, sw, A, B, 0.5)
     y.backward(torch.randn_like(y))
-    assert seen == [(q.data_ptr(), (N, K), (K, 1), q.dtype, "out"),
-                    (q.data_ptr(), (K, N), (1, K), q.dtype, "reduction")]
+    assert seen == [(q.data_ptr(), (N, K), (K, 1), q.dtype, False),
+                    (q.data_ptr(), (K, N), (1, K), q.dtype, True)]
+
+
+@pytest.mark.parametrize("T,N,r,block_n,chunks", [(37, 96, 8, 32, None), (16, 64, None, 64, 1), (70, 200, 64, 64, 2),
+                                                   (70, 200, 16, 32, 3)])
+def test_dy_prep_vs_reference_and_fp64(T, N, r, block_n, chunks, device):
+    """gy = (dy ⊙ s_w) rounded once (bit-equal to the reference: one fp32 product, one rounding) and
+    dh = dy·B_c in fp32 (vs fp64), with ragged T and N (masked tiles) and N cut into column chunks."""
+    dy = torch.randn(T, N, dtype=torch.bfloat16, device=device)
+    _, sw = fp8.quantize_weight_ref(torch.randn(N, 32, device=device))
+    B_c = (torch.randn(N, r, device=device) * 0.1).to(torch.bfloat16) if r else None
+    gy, dh = dy_prep_triton(dy, sw, B_c, block_n=block_n, chunks=chunks)
+    gy_ref, dh_ref = dy_prep_ref(dy, sw, B_c)
+    assert gy.dtype == dy.dtype and torch.equal(gy, gy_ref)
+    assert rel_err(gy, dy.double() * sw.double()) < 4e-3
+    if r is None:
+        assert dh is None and dh_ref is None
+    else:
+        assert dh.shape == (T, r) and dh.dtype == torch.float32
+        assert rel_err(dh, dh_ref) < 1e-5
+        assert rel_err(dh, dy.double() @ B_c.double()) < 1e-5
+    with pytest.raises(ValueError, match=r"B_c must be \[N=%d, r\]" % N):
+        dy_prep_triton(dy, sw, torch.zeros(N + 1, 4, dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError, match="w_scale must have shape"):
+        dy_prep_triton(dy, sw[:-1])
