@@ -270,7 +270,10 @@ def candidates(mode: str, bucket: int, N: int, K: int) -> list[GemmConfig]:
                 (64, 32, 128, 4, 6), (128, 64, 128, 4, 4, False), (256, 64, 64, 4, 4, False),
                 (128, 64, 64, 4, 6, False), (64, 64, 128, 4, 6, False), (64, 64, 256, 4, 3), (64, 64, 128, 4, 3),
                 (64, 64, 64, 4, 8), (128, 32, 128, 4, 4, False), (256, 32, 64, 4, 4, False),
-                (128, 16, 128, 4, 4, False), (64, 16, 256, 4, 4, False)]
+                (128, 16, 128, 4, 4, False), (64, 16, 256, 4, 4, False),
+                # two warpgroups, each widening its own 64 weight rows (more warps in flight per SM)
+                (128, 64, 128, 8, 3), (128, 64, 64, 8, 4), (128, 32, 128, 8, 4), (256, 64, 64, 8, 3),
+                (128, 64, 128, 8, 4)]
     elif bucket <= 256:
         raw += [(128, 128, bk_big, 4, 4), (64, 128, 128, 4, 4), (128, 256, bk_big, 8, 3), (64, 64, 128, 4, 4),
                 (64, 128, bk_big, 4, 6), (128, 128, bk_big, 8, 4, False), (256, 64, bk_big, 4, 4, False),

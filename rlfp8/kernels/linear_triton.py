@@ -141,6 +141,29 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b).float()
 
 
+_SIDE: dict = {}
+
+
+def _side_stream(device) -> torch.cuda.Stream:
+    """One side stream per device for the backward's LoRA-gradient GEMMs (created once: graph-capture safe)."""
+    key = torch.device(device)
+    if key not in _SIDE:
+        _SIDE[key] = torch.cuda.Stream(device=key)
+    return _SIDE[key]
+
+
+def _on(stream):
+    """torch.cuda.stream(stream), or no change when stream is None (CPU, interpreter)."""
+    import contextlib
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _record(device) -> torch.cuda.Event:
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    return ev
+
+
 class LoRALinearTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, q, scale, A, B, lora_scale, bias):
@@ -171,17 +194,33 @@ class LoRALinearTriton(torch.autograd.Function):
         if dy2.stride(-1) != 1:
             dy2 = dy2.contiguous()
         dx = dA = dB = None
+        # dA and dB are skinny, memory-bound GEMMs: on CUDA they run on a side stream while the main stream
+        # runs the compute-bound dx GEMM (dB needs only dy and h: it starts at once; dA waits for dh)
+        side = _side_stream(dy2.device) if dy2.is_cuda else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(dy2.device))
+        if B is not None and ctx.needs_input_grad[4]:
+            with _on(side):
+                dB = (s * _mm_f32(dy2.t(), h[0].to(x2.dtype))).to(B.dtype)      # [N, r]
         dh = None
         if ctx.needs_input_grad[0]:
             gy, dh = dy_prep_triton(dy2, scale, B_c)                           # [T, N] x.dtype, [T, r] fp32
+            dh_ready = _record(dy2.device) if side is not None else None
             lora = dict(h=dh[None], B=A_c.t()[None]) if A is not None else {}
             dx = lora_gemm_triton(gy, q.t(), None, out_dtype=x2.dtype, **lora).reshape(ctx.x_shape)
         elif A is not None:
             dh = _mm_f32(dy2, B_c)                                              # [T, r] fp32
+            dh_ready = _record(dy2.device) if side is not None else None
         if A is not None and ctx.needs_input_grad[3]:
-            dA = _mm_f32(dh.to(x2.dtype).t(), x2).to(A.dtype)                   # [r, K]
-        if B is not None and ctx.needs_input_grad[4]:
-            dB = (s * _mm_f32(dy2.t(), h[0].to(x2.dtype))).to(B.dtype)          # [N, r]
+            with _on(side):
+                if side is not None:
+                    side.wait_event(dh_ready)
+                dA = _mm_f32(dh.to(x2.dtype).t(), x2).to(A.dtype)                  # [r, K]
+        if side is not None:                                                    # join; outputs made on the side
+            torch.cuda.current_stream(dy2.device).wait_stream(side)
+            for t in (dA, dB):
+                if t is not None:
+                    t.record_stream(torch.cuda.current_stream(dy2.device))
         return dx, None, None, dA, dB, None, None
 
 
