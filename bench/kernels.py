@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Benchmark of rlfp8.kernels against vLLM 0.26's LoRA path on one Qwen3-8B decoder layer (issue 3 item 6).
 
-Measured (CUDA graphs; before every replay a 512 MiB buffer is zeroed to flush L2; median of --reps >= 50):
+Measured (CUDA graphs; before every replay a 512 MiB buffer is zeroed to flush L2; median of --reps >= 50;
+ours and its baseline are captured as two graphs replayed in turn, so both see the same clocks/temperature):
   layer  : the four projections qkv 4096->6144 (3 slices), o 4096->4096, gate_up 4096->24576 (2 slices),
            down 12288->4096, captured together in one graph, at M in {1, 4, 16, 64, 256, 2048} tokens,
            with 0, 1 and 32 rank-64 adapters (1: every token on slot 0; 32: tokens round-robin over 32 slots,
@@ -73,7 +74,30 @@ class Timer:
 
     def graph_us(self, fn, reps: int | None = None, before_capture=None) -> float:
         """Median µs of one replay of a CUDA graph of fn(), L2 flushed before each replay."""
+        return self.paired_us([fn], reps, [before_capture])[0]
+
+    def paired_us(self, fns, reps: int | None = None, before_captures=None) -> list[float]:
+        """Median µs per replay of a CUDA graph of each fn, the graphs replayed in turn (a, b, a, b, ...;
+        L2 flushed before each replay), so that arms compared with each other see the same clocks and
+        temperature (measured one after the other, the first arm of a pair ran on a cooler GPU)."""
         reps = reps or self.reps
+        before_captures = before_captures or [None] * len(fns)
+        graphs = [self._capture(fn, bc) for fn, bc in zip(fns, before_captures)]
+        times = [[] for _ in fns]
+        for i in range(reps + 3):
+            for g, t in zip(graphs, times):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                self.flush.zero_()
+                a.record()
+                g.replay()
+                b.record()
+                t.append((a, b, i >= 3))
+        torch.cuda.synchronize()
+        out = [statistics.median(a.elapsed_time(b) * 1e3 for a, b, keep in t if keep) for t in times]
+        del graphs
+        return out
+
+    def _capture(self, fn, before_capture=None) -> torch.cuda.CUDAGraph:
         fn()                                               # compile / allocate workspaces outside capture
         torch.cuda.synchronize()
         s = torch.cuda.Stream()
@@ -88,17 +112,7 @@ class Timer:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             fn()
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 3)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 3)]
-        for a, b in zip(starts, ends):
-            self.flush.zero_()
-            a.record()
-            g.replay()
-            b.record()
-        torch.cuda.synchronize()
-        times = [a.elapsed_time(b) * 1e3 for a, b in zip(starts, ends)][3:]
-        del g
-        return statistics.median(times)
+        return g
 
 
 # ------------------------------------------------------------------------------------------------ vLLM
@@ -481,47 +495,52 @@ def train_rows(layer: Layer, timer: Timer, reps: int) -> list[dict]:
         s = 2.0
         dy = torch.randn(TRAIN_TOKENS, N, device=DEV, dtype=torch.bfloat16)
         w16 = (q.float() * sw[:, None]).to(torch.bfloat16)               # the PEFT arm's bf16 weight
-        res = {}
+        arms = {}
         for arm in ("ours", "peft"):
             x = x0.clone().requires_grad_()
             if arm == "ours":
                 A, B = A0.clone().requires_grad_(), B0.clone().requires_grad_()
 
-                def step():
+                def step(x=x, A=A, B=B):
                     lora_linear_triton(x, q, sw, A, B, s).backward(dy)
             else:
                 A, B = A0.to(torch.bfloat16).requires_grad_(), B0.to(torch.bfloat16).requires_grad_()
 
-                def step():
+                def step(x=x, A=A, B=B):
                     y = F.linear(x, w16) + F.linear(F.linear(x, A), B) * s
                     y.backward(dy)
+
+            def clear_grads(ts=(x, A, B)):
+                for t in ts:
+                    t.grad = None
             step()                                                          # warm-up (compile, probe)
-            for t in (x, A, B):
-                t.grad = None
+            clear_grads()
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             step()
             torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() - base
-            for t in (x, A, B):
-                t.grad = None
-            try:
-                us = timer.graph_us(step, reps, before_capture=lambda: [setattr(t, "grad", None) for t in (x, A, B)])
-                graphed = True
-            except Exception:                                              # autograd not capturable here
-                torch.cuda.synchronize()
-                ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(reps)]
-                for a, b in ev:
+            arms[arm] = (step, clear_grads, torch.cuda.max_memory_allocated() - base)
+            clear_grads()
+        res = {}
+        try:                                                # both graphs, replayed in turn (same GPU state)
+            us = timer.paired_us([arms[a][0] for a in arms], reps, [arms[a][1] for a in arms])
+            res = {a: (u, arms[a][2], True) for a, u in zip(arms, us)}
+        except Exception:                                   # autograd not capturable here: eager, in turn
+            torch.cuda.synchronize()
+            ev = {a: [] for a in arms}
+            for _ in range(reps):
+                for a in arms:
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     timer.flush.zero_()
-                    a.record()
-                    step()
-                    b.record()
-                torch.cuda.synchronize()
-                us = statistics.median(a.elapsed_time(b) * 1e3 for a, b in ev)
-                graphed = False
-            res[arm] = (us, peak, graphed)
+                    e0.record()
+                    arms[a][0]()
+                    e1.record()
+                    ev[a].append((e0, e1))
+                    arms[a][1]()
+            torch.cuda.synchronize()
+            res = {a: (statistics.median(e0.elapsed_time(e1) * 1e3 for e0, e1 in ev[a]), arms[a][2], False)
+                   for a in arms}
         # where the time goes: the two big GEMMs alone against cuBLAS on the bf16 weight
         Bc = (B0 * s).to(torch.bfloat16)
         h = torch.randn(1, TRAIN_TOKENS, RANK, device=DEV)
@@ -532,7 +551,7 @@ def train_rows(layer: Layer, timer: Timer, reps: int) -> list[dict]:
             "dy_prep": (lambda: dy_prep_triton(dy, sw, Bc), lambda: torch.mm(dy, Bc, out_dtype=torch.float32)),
         }
         for part, (ours_fn, base_fn) in parts.items():
-            o, b = timer.graph_us(ours_fn, reps), timer.graph_us(base_fn, reps)
+            o, b = timer.paired_us([ours_fn, base_fn], reps)
             rows.append(dict(op=f"train_{'gemm_' if part != 'dy_prep' else ''}{part}:{name}", mode="w8a16",
                              M=TRAIN_TOKENS, adapters=1, rank=RANK, ours_us=round(o, 2),
                              baseline="cublas_bf16" if part != "dy_prep" else "cublas_dh_only", baseline_us=round(b, 2),
@@ -717,6 +736,13 @@ def main(argv=None):
     rows = []
 
     def measure(op, mode, M, S, ours_fn, base_name, base_fn):
+        if base_fn is not None:
+            try:                                       # ours and the baseline replayed in turn
+                o, b = timer.paired_us([ours_fn, base_fn])
+                rows.append(row(op, mode, M, S, o, base_name, b))
+                return
+            except Exception:                          # find out which side fails, below
+                torch.cuda.synchronize()
         try:
             o = timer.graph_us(ours_fn)
         except Exception as e:
