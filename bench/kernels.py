@@ -556,7 +556,7 @@ def train_rows(layer: Layer, timer: Timer, reps: int) -> list[dict]:
                              M=TRAIN_TOKENS, adapters=1, rank=RANK, ours_us=round(o, 2),
                              baseline="cublas_bf16" if part != "dy_prep" else "cublas_dh_only", baseline_us=round(b, 2),
                              ratio=round(o / b, 3)))
-        del w16
+        w16 = None                                                      # free the bf16 weight (the lambdas are done)
         mem = train_memory(layer, name, res["ours"][1])
         mib = 2 ** 20
         rows.append(dict(op=f"train_fwd_bwd:{name}", mode="w8a16", M=TRAIN_TOKENS, adapters=1, rank=RANK,

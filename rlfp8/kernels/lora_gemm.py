@@ -610,7 +610,6 @@ def lora_gemm_ref(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAMeta
     """Plain torch, fp32: acc = x·qᵀ; scale; + h·B_slotᵀ per slice and slot; · g; + bias; one cast."""
     mode, slices = _check(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype)
     M, K = x.shape
-    N = q.shape[0]
     out_dtype = out_dtype or (torch.bfloat16 if mode == "w8a8" else x.dtype)
     acc = x.float() @ q.float().t()                                                # [M, N]
     if w_scale is not None:
