@@ -546,6 +546,7 @@ def train_rows(layer: Layer, timer: Timer, reps: int) -> list[dict]:
         h = torch.randn(1, TRAIN_TOKENS, RANK, device=DEV)
         parts = {
             "fwd": (lambda: lora_gemm_triton(x0, q, sw, h=h, B=Bc[None]), lambda: F.linear(x0, w16)),
+            "fwd_base": (lambda: lora_gemm_triton(x0, q, sw), lambda: F.linear(x0, w16)),   # what the epilogue costs
             "dx": (dx_gemm(x0, q, sw, A0, None), lambda: F.linear(dy, w16.t())),
             # the backward's one pass over dy (gy = dy ⊙ s_w and dh = dy·B_c) vs cuBLAS's dh alone
             "dy_prep": (lambda: dy_prep_triton(dy, sw, Bc), lambda: torch.mm(dy, Bc, out_dtype=torch.float32)),
