@@ -221,33 +221,32 @@ def _store_tile(acc, y_ptr, sw_ptr, off_m, off_n, M, N, layout: gl.constexpr,
 #   descs = (x_desc, q_desc); rings = (x_ring, q_ring, w_ring); bars = (x_ready, q_ready, widened, consumed);
 #   offs = (off_m, off_n, k_tiles)
 @gluon.jit
-def _ws_x_loader(descs, rings, bars, offs, CHUNK: gl.constexpr):
-    x_desc, q_desc = descs
-    x_ring, q_ring, w_ring = rings
-    x_ready, q_ready, widened, consumed = bars
-    off_m, off_n, k_tiles = offs
-    BK: gl.constexpr = x_desc.block_type.shape[1]
-    S: gl.constexpr = x_ring.type.shape[0]
+def _tma_ring_producer(desc, ring, ready, free, row, k_tiles):
+    # step i: wait until `free` saw step i - S (parity trick: none for i < S), then TMA tile (row, i·BK) into
+    # slot i % S, completing `ready` by its byte count
+    BK: gl.constexpr = desc.block_type.shape[1]
+    S: gl.constexpr = ring.type.shape[0]
     for i in range(k_tiles):
         s = i % S
-        mbarrier.wait(consumed.index(s), ((i // S) & 1) ^ 1)      # wgmma of step i - S retired (none: i < S)
-        mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [off_m, i * BK], x_ready.index(s), x_ring.index(s))
+        mbarrier.wait(free.index(s), ((i // S) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [row, i * BK], ready.index(s), ring.index(s))
+
+
+@gluon.jit
+def _ws_x_loader(descs, rings, bars, offs, CHUNK: gl.constexpr):
+    x_ready, q_ready, widened, consumed = bars
+    off_m, off_n, k_tiles = offs
+    # an x slot is free once the wgmma of step i - S retired
+    _tma_ring_producer(descs[0], rings[0], x_ready, consumed, off_m, k_tiles)
 
 
 @gluon.jit
 def _ws_q_loader(descs, rings, bars, offs, CHUNK: gl.constexpr):
-    x_desc, q_desc = descs
-    x_ring, q_ring, w_ring = rings
     x_ready, q_ready, widened, consumed = bars
     off_m, off_n, k_tiles = offs
-    BK: gl.constexpr = q_desc.block_type.shape[1]
-    S: gl.constexpr = q_ring.type.shape[0]
-    for i in range(k_tiles):
-        s = i % S
-        mbarrier.wait(widened.index(s), ((i // S) & 1) ^ 1)       # step i - S widened: its e4m3 slot is free
-        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [off_n, i * BK], q_ready.index(s), q_ring.index(s))
+    # an e4m3 slot is free once step i - S was widened
+    _tma_ring_producer(descs[1], rings[1], q_ready, widened, off_n, k_tiles)
 
 
 @gluon.jit

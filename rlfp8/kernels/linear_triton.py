@@ -19,17 +19,18 @@ x must be bf16 or fp16 (the kernels' 16-bit MMA); other dtypes raise (use the to
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
 from . import dispatch
 from ._triton_utils import check_tensor, launch, next_pow2, require_triton_device
-from .lora_gemm import lora_gemm_triton
+from .lora_gemm import NUM_SMS_HINT, lora_gemm_triton
 from .lora_shrink import lora_shrink_triton
 
 OP = "lora_linear"
-NUM_SMS_HINT = 132
 
 
 @triton.jit
@@ -154,7 +155,6 @@ def _side_stream(device) -> torch.cuda.Stream:
 
 def _on(stream):
     """torch.cuda.stream(stream), or no change when stream is None (CPU, interpreter)."""
-    import contextlib
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 

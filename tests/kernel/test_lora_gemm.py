@@ -182,16 +182,22 @@ def test_x_tma_same_bits(mode, device):
         assert rel_err(y, lora_gemm_ref(p["x"], p["q"], p["sw"], out_dtype=torch.float32, **kw)) < 1e-5
 
 
-@pytest.mark.parametrize("swap", [True, False])
-def test_tma_transposed_codes_same_bits(swap, device):
-    """The backward's dx GEMM with w_tma: the descriptor covers the stored codes [N, K] and the kernel
-    transposes each [BLOCK_K, BLOCK_N] tile (ragged shapes: zero padding on both dims)."""
+def _dx_problem(device):
+    """The backward's dx GEMM at ragged sizes: codes q [N, K], gy [T, N], dh [1, T, r], A_c [r, K] and the
+    epilogue arguments (dh·A_c, fp32 output)."""
     T, K, N, r = 33, 80, 96, 16
     q, _ = fp8.quantize_weight_ref(torch.randn(N, K, device=device) * 0.05)
     gy = torch.randn(T, N, dtype=torch.bfloat16, device=device)
     dh = torch.randn(1, T, r, device=device)
     A_c = (torch.randn(r, K, device=device) * 0.1).to(torch.bfloat16)
-    kw = dict(h=dh, B=A_c.t()[None], out_dtype=torch.float32)
+    return q, gy, dh, A_c, dict(h=dh, B=A_c.t()[None], out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("swap", [True, False])
+def test_tma_transposed_codes_same_bits(swap, device):
+    """The backward's dx GEMM with w_tma: the descriptor covers the stored codes [N, K] and the kernel
+    transposes each [BLOCK_K, BLOCK_N] tile (ragged shapes: zero padding on both dims)."""
+    q, gy, dh, A_c, kw = _dx_problem(device)
     cfg = GemmConfig(64, 32, 32, 1, 1, 4, 2, swap_ab=swap)
     y = lora_gemm_triton(gy, q.t(), None, config=dataclasses.replace(cfg, w_tma=True), **kw)
     assert torch.equal(y, lora_gemm_triton(gy, q.t(), None, config=cfg, **kw))
@@ -219,12 +225,7 @@ def test_epilogue_variants_give_the_same_bits(mode, device, monkeypatch):
 def test_transposed_codes_no_scale(cfg, device):
     """The training backward's dx GEMM: gy [T, N] · q through the transposed view qᵀ (strides (1, K)), no
     weight scale (gy = dy ⊙ s_w carries it), dh·A_c in the epilogue, in both main-loop orientations."""
-    T, K, N, r = 33, 80, 96, 16
-    q, sw = fp8.quantize_weight_ref(torch.randn(N, K, device=device) * 0.05)
-    gy = torch.randn(T, N, dtype=torch.bfloat16, device=device)
-    dh = torch.randn(1, T, r, device=device)
-    A_c = (torch.randn(r, K, device=device) * 0.1).to(torch.bfloat16)
-    kw = dict(h=dh, B=A_c.t()[None], out_dtype=torch.float32)
+    q, gy, dh, A_c, kw = _dx_problem(device)
     y = lora_gemm_triton(gy, q.t(), None, config=cfg, **kw)
     yref = lora_gemm_ref(gy, q.t(), None, **kw)
     assert rel_err(y, yref) < 1e-5
