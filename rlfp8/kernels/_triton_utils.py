@@ -73,7 +73,10 @@ def compile_spec(spec: dict):
     from triton.compiler import ASTSource
 
     fn = getattr(importlib.import_module(spec["module"]), spec["name"])
-    src = ASTSource(fn, spec["signature"], spec["constexprs"], spec["attrs"])
+    source = ASTSource
+    if type(fn).__name__ == "GluonJITFunction":                 # a Gluon kernel (lora_gemm_rs)
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn, spec["signature"], spec["constexprs"], spec["attrs"])
     return triton.compile(src, target=GPUTarget(*spec["target"]), options=spec["options"])
 
 

@@ -12,6 +12,9 @@ into B; g [S, N] fp32 (DoRA); bias [N]; y [T, N] in out_dtype (default bf16), wr
 rounded once.
 
 Kernel strategy (Hopper):
+  * W8A16 calls above 512 tokens without metadata (the trainer's forward and dx GEMMs, long prefills) go
+    to lora_gemm_rs (Gluon, warp-specialized, the same MMAs and epilogue: bit-identical) when it supports
+    them; dispatch records "lora_gemm.mainloop" = gluon_rs | triton. An explicit `config` keeps this kernel.
   * swap-AB: the program computes the transposed tile accᵀ [BLOCK_N, BLOCK_M] = W_tile · x_tileᵀ, so the
     weight rows fill the 64-row wgmma M side even for a handful of tokens (BLOCK_M = 16 at decode), and in
     W8A16 the widened weight tile is the register-sourced A operand of wgmma (no round trip through shared
@@ -635,6 +638,26 @@ def lora_gemm_ref(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAMeta
     return acc.to(out_dtype)
 
 
+# RLFP8_GEMM_RS=0: never the Gluon main loop (A/B timing, debugging); the dispatch records which one ran
+GEMM_RS = os.environ.get("RLFP8_GEMM_RS", "1") != "0"
+
+
+def _rs_unsupported(x, q, slices, gather, g, lora_precision, use_pdl) -> str | None:
+    """None when lora_gemm_rs can run this W8A16 call with K2's exact arithmetic, else the reason."""
+    if not GEMM_RS:
+        return "RLFP8_GEMM_RS=0"
+    if lora_precision != "bf16x2" or use_pdl:
+        return f"lora_precision {lora_precision}, use_pdl {use_pdl}"
+    if slices is not None and (len(slices) != 1 or slices[0].shape[0] != 1 or slices[0].dtype == torch.float16):
+        return "more than one B slice or slot, or fp16 B"
+    try:
+        from . import lora_gemm_rs
+    except ImportError as e:                    # Triton without Gluon
+        return f"gluon unavailable ({e})"
+    return lora_gemm_rs.supported(x, q, None if slices is None else slices[0].shape[2], gather=bool(gather),
+                                  has_g=g is not None)
+
+
 def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAMeta | None = None, g=None,
                      bias=None, out_dtype=None, out=None, config: GemmConfig | None = None, gather=None,
                      lora_precision: str = "bf16x2", use_pdl: bool = False) -> torch.Tensor:
@@ -666,6 +689,14 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
         raise ValueError(f"rlfp8.kernels.{OP}: config widen must be one of {WIDENINGS}, got {cfg}")
     has_lora = slices is not None and not (meta is not None and meta.no_lora)
     gather = (meta is not None and has_lora) if gather is None else (gather and meta is not None)
+    if mode == "w8a16" and config is None and m_bucket(M) == M_BUCKETS[-1] and not dispatch.triton_interpreting():
+        # many tokens (the trainer's steps, long prefills): the Gluon warp-specialized main loop, same bits
+        why = _rs_unsupported(x, q, slices if has_lora else None, gather, g, lora_precision, use_pdl)
+        dispatch.record(f"{OP}.mainloop", "gluon_rs" if why is None else "triton")
+        if why is None:
+            from .lora_gemm_rs import lora_gemm_rs
+            return lora_gemm_rs(x, q, w_scale, h=h if has_lora else None, B=slices[0] if has_lora else None,
+                                bias=bias, out=out)
     m_tiles, n_tiles = cdiv(M, cfg.block_m), cdiv(N, cfg.block_n)
     if cfg.split_k > 1:
         part = torch.empty((cfg.split_k, m_tiles * cfg.block_m, n_tiles * cfg.block_n), dtype=torch.float32,

@@ -477,3 +477,61 @@ def test_dispatch_auto_picks_triton_on_cuda():
         fp8.quantize_activation(x.detach())
         assert dispatch.report()["lora_linear"] == {"triton": 1}
         assert dispatch.report()["quantize_activation"] == {"triton": 1}
+
+
+# ------------------------------------------------------------------------------ the Gluon main loop (lora_gemm_rs)
+RS_CASES = [("qkv", 1000, 64, True), ("o", 4096, 16, False), ("gate_up", 2048, 64, False), ("down", 1000, 32, True),
+            ("o", 600, 0, True)]
+
+
+@pytest.mark.parametrize("shape,M,r,bias", RS_CASES, ids=[f"{c[0]}-M{c[1]}-r{c[2]}" for c in RS_CASES])
+def test_gluon_rs_bits_equal_triton_kernel(shape, M, r, bias):
+    """Above 512 tokens, W8A16 calls without metadata (the trainer's forward and dx GEMMs, long prefills) run
+    lora_gemm_rs; its output must be bit-identical to the Triton kernel's (same MMAs in the same order, same
+    epilogue) for the forward (scale, LoRA, bias) and for the dx GEMM (transposed codes, LoRA, no scale), and
+    close to the fp64 reference. Tails: M not a multiple of 256, ranks below 64."""
+    K, widths, q, sw = _weights(shape, seed=11)
+    N = sum(widths)
+    g = torch.Generator(device=DEV).manual_seed(12)
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16, generator=g)
+    b = torch.randn(N, device=DEV, dtype=torch.bfloat16, generator=g) if bias else None
+    fwd = dict(bias=b)
+    if r:
+        fwd.update(h=torch.randn(1, M, r, device=DEV, generator=g),
+                   B=(torch.randn(1, N, r, device=DEV, generator=g) * 0.02).to(torch.bfloat16))
+    gy = torch.randn(M, N, device=DEV, dtype=torch.bfloat16, generator=g)
+    dx_kw = dict(h=torch.randn(1, M, 64, device=DEV, generator=g),
+                 B=(torch.randn(64, K, device=DEV, generator=g) * 0.02).to(torch.bfloat16).t()[None])
+    dispatch.reset_report()
+    y = lora_gemm_triton(x, q, sw, **fwd)
+    dx = lora_gemm_triton(gy, q.t(), None, **dx_kw)
+    if tu._collector is not None:
+        return
+    assert dispatch.report()["lora_gemm.mainloop"] == {"gluon_rs": 2}, dispatch.report()
+    y_k2 = lora_gemm_triton(x, q, sw, config=gemm_config("w8a16", M, N, K, DEV), **fwd)
+    dx_k2 = lora_gemm_triton(gy, q.t(), None, config=gemm_config("w8a16", M, K, N, DEV, transposed=True), **dx_kw)
+    e_y = rel_err(y, lora_gemm_ref(x, q, sw, out_dtype=torch.float32, **fwd))
+    e_dx = rel_err(dx, lora_gemm_ref(gy, q.t(), None, out_dtype=torch.float32, **dx_kw))
+    print(f"  {shape} M={M} r={r}: rel err fwd {e_y:.1e}, dx {e_dx:.1e}; bits equal to the Triton kernel: "
+          f"fwd {torch.equal(y, y_k2)}, dx {torch.equal(dx, dx_k2)}")
+    assert e_y < 1e-2 and e_dx < 1e-2
+    assert torch.equal(y, y_k2), f"fwd max |diff| {(y.float() - y_k2.float()).abs().max().item()}"
+    assert torch.equal(dx, dx_k2), f"dx max |diff| {(dx.float() - dx_k2.float()).abs().max().item()}"
+
+
+def test_gluon_rs_not_used_where_unsupported():
+    """Metadata (gather), fp16 x, an explicit config or RLFP8_GEMM_RS=0 keep the Triton kernel; the dispatch
+    says which main loop ran."""
+    K, widths, q, sw = _weights("o", seed=13)
+    N, M = sum(widths), 1024
+    x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
+    meta = build_lora_meta(torch.zeros(M, dtype=torch.long, device=DEV), 1)
+    h, B = torch.randn(1, M, 64, device=DEV), torch.randn(1, N, 64, device=DEV, dtype=torch.bfloat16) * 0.02
+    dispatch.reset_report()
+    lora_gemm_triton(x, q, sw, h=h, B=B, meta=meta)
+    lora_gemm_triton(x.half(), q, sw)
+    lora_gemm_triton(x, q, sw, config=gemm_config("w8a16", M, N, K, DEV))    # explicit config: no record
+    if tu._collector is not None:
+        return
+    assert dispatch.report()["lora_gemm.mainloop"] == {"triton": 2}, dispatch.report()
+

@@ -137,6 +137,18 @@ def collect() -> list:
             lora_gemm_triton(xx, _e(N, K, dtype=FP8), torch.empty(N), x_scale=torch.empty(M, 1) if mode == "w8a8"
                              else None, h=torch.empty(1, M, r), B=_e(S, N, r),
                              meta=build_lora_meta(torch.arange(M) % S, S), config=GemmConfig(**entry))
+    # the Gluon main loop K2 dispatches to at many tokens (lora_gemm_rs: bf16 x, no metadata): the trainer's
+    # forward (with LoRA, with and without bias, ranks 64 and 16), the dx GEMM, the base GEMM
+    from rlfp8.kernels import lora_gemm_rs
+    T = 8192
+    for K, N in ((4096, 6144), (12288, 4096)):
+        q, sw = _e(N, K, dtype=FP8), torch.empty(N)
+        for r, bias in ((64, False), (16, True)):
+            rec.append(lora_gemm_rs.launch_args(_e(T, K), q, sw, torch.empty(1, T, r), _e(1, N, r),
+                                                _e(N) if bias else None, _e(T, N)))
+        rec.append(lora_gemm_rs.launch_args(_e(T, N), q.t(), None, torch.empty(1, T, 64), _e(64, K).t()[None],
+                                            None, _e(T, K)))
+        rec.append(lora_gemm_rs.launch_args(_e(T, K), q, sw, out=_e(T, N)))
     seen, out = set(), []
     for kern, grid, args, kw in rec:
         key = (kern.fn.__name__, tuple(sorted((k, str(v)) for k, v in kw.items())))
@@ -189,6 +201,28 @@ def _sass_facts(cubin: bytes, idx: int) -> dict:
     return out
 
 
+def _ptxas_facts(ptx: str, idx: int) -> dict:
+    """ptxas's "wgmma serialized" performance warnings (C7510-C7519: register reuse, accumulators defined
+    outside wgmma, register shortage) and the wgmma wait depths in the SASS (WARPGROUP.DEPBAR.LE gsb0, N):
+    a pipelined main loop keeps one wgmma group in flight (N = 1); a serialized one waits for 0 everywhere."""
+    import subprocess
+    import tempfile
+    tool = _cuda_tool("ptxas")
+    if tool is None:
+        return {}
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, f"k{idx}.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([tool, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True)
+        sass = subprocess.run([_cuda_tool("cuobjdump"), "-sass", os.path.join(d, "k.cubin")], capture_output=True,
+                              text=True).stdout
+    text = log.stdout + log.stderr
+    return dict(wgmma_serialized=sorted(set(re.findall(r"C751\d", text))),
+                wgmma_wait_depths=sorted(set(int(v, 16) for v in re.findall(r"DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass))))
+
+
 def _check(item):
     idx, spec = item
     t0 = time.time()
@@ -199,6 +233,8 @@ def _check(item):
     ptx = k.asm["ptx"]
     wg = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln]
     facts = _sass_facts(k.asm["cubin"], idx)
+    if spec["name"] == "_lora_gemm_rs_kernel":
+        facts.update(_ptxas_facts(ptx, idx))
     return dict(**facts,
         idx=idx, name=spec["name"], ok=True, seconds=round(time.time() - t0, 2),
         shared=k.metadata.shared, num_warps=k.metadata.num_warps, num_stages=spec["options"].get("num_stages"),

@@ -30,7 +30,8 @@ def compiled():
 
 def test_all_kernels_compile(compiled):
     names = {r["name"] for r in compiled}
-    assert names == {"_quant_rows_kernel", "_lora_shrink_kernel", "_lora_gemm_kernel", "_dy_prep_kernel"}, names
+    assert names == {"_quant_rows_kernel", "_lora_shrink_kernel", "_lora_gemm_kernel", "_dy_prep_kernel",
+                     "_lora_gemm_rs_kernel"}, names
     failed = [f"{r['name']} {r.get('constexprs')}: {r['error']}" for r in compiled if not r["ok"]]
     assert not failed, "\n".join(failed)
     too_big = [(r["name"], r["shared"], r["constexprs"]) for r in compiled if r["shared"] > SMEM_MAX]
@@ -119,3 +120,20 @@ def test_pdl_wait_point_present_only_when_asked(compiled):
     for r in pdl:
         assert r["gdc_launch"] if r["name"] == "_lora_shrink_kernel" else r["gdc_wait"], r
     assert not any(r["gdc_wait"] or r["gdc_launch"] for r in compiled if not r["constexprs"].get("USE_PDL"))
+
+
+def test_gluon_main_loop_pipelined_without_spills(compiled):
+    """lora_gemm_rs (Gluon, warp-specialized, register-A wgmma): every variant the dispatch can pick (forward
+    with LoRA ranks 16/64 and bias, dx GEMM on the transposed codes, base GEMM) compiles for sm_90a with TMA
+    loads, no register spills, no ptxas "wgmma serialized" warning (C751x: the register-set alternation and
+    the peeled first steps are what avoid them) and a main loop that keeps one wgmma group in flight."""
+    rs = [r for r in compiled if r["name"] == "_lora_gemm_rs_kernel"]
+    assert len(rs) >= 4, [r["constexprs"] for r in rs]
+    assert {r["constexprs"]["TRANS_Q"] for r in rs} == {True, False}
+    assert {r["constexprs"]["BR"] for r in rs if r["constexprs"]["HAS_LORA"]} >= {16, 64}
+    assert any(not r["constexprs"]["HAS_LORA"] for r in rs) and any(r["constexprs"]["HAS_BIAS"] for r in rs)
+    for r in rs:
+        assert r["ok"] and r["tma"] and r["wgmma_reg_a"], r
+        assert r.get("stack", 0) == 0, f"spills: {r}"
+        assert r["wgmma_serialized"] == [], f"ptxas serializes the wgmmas: {r['wgmma_serialized']} {r['constexprs']}"
+        assert 1 in r["wgmma_wait_depths"], f"no wgmma left in flight: {r['wgmma_wait_depths']} {r['constexprs']}"

@@ -1,0 +1,327 @@
+"""K2's W8A16 main loop for many tokens, written in Gluon (Triton's explicit-layout dialect): the trainer's
+forward and dx GEMMs (8k-token steps) and long prefills without metadata.
+
+    y[t, n] = bf16( s_w[n] · Σ_k x[t, k] · widen(q[n, k])  +  Σ_j h[t, j] · B[n, j]  +  bias[n] )
+    dx GEMM: q read transposed (q is the stored codes' view qᵀ), no s_w (it is in x = gy)
+
+The same arithmetic, instruction for instruction, as K2's swap-AB loop with its large-token config (wgmma
+m64 n256 k16, A = the widened weight rows, B = the x tile, k16 chunks in k order, fp32 accumulation; then
+the scale, the two 16-bit LoRA MMAs on h = hi + lo, bias, one rounding): the results are bit-identical to
+lora_gemm's Triton kernel (checked on the H200 for every training shape, tests/gpu), so the matched
+property holds whichever of the two runs on either side.
+
+Why a second kernel: Triton's pipeliner runs this loop with a CTA-wide barrier per k-step, pointer x loads
+and one code stream for both warpgroups, so the widening and the wgmma do not overlap (1.25-1.5x cuBLAS at
+8k tokens, bench/results). Here (CUTLASS's "RS" warp-specialized mainloop):
+  * partitions: one TMA warp loads the x tile [BM tokens, BK] and the e4m3 tile [2·64 rows, BK] of step i
+    into ring slot i % S (one `ready` barrier per slot); two MMA partitions, one warpgroup each, own 64
+    weight rows. A warpgroup loads its e4m3 rows straight from the slot into wgmma's register-A fragment
+    (one 16-bit LDS per k-pair), widens them in registers (PRMT trick, exact) and issues the async wgmma
+    with the x slot as the shared-memory B operand; after wait(1) retired step i-1's wgmma it arrives on
+    `consumed[(i-1) % S]` (count 2: both warpgroups). The warpgroups never wait for each other.
+  * register hygiene, else ptxas serializes every wgmma (C7513/C7515; tests/kernel compiles this kernel for
+    sm_90a and checks for those warnings): two k-steps per loop iteration with the A fragments alternating
+    between two register sets, each kept live (_keep) until the wait that retires its wgmma; the first two
+    steps peeled, so no zero-filled accumulator reaches the loop exit on a path that skips the wgmmas.
+  * epilogue: scale; LoRA (h·Bᵀ, h fp32 split into bf16 hi + lo as K2's "bf16x2"): once both warpgroups
+    retired their last wgmma (mbarrier `epi`, phase 0) the ring is free; each warpgroup writes half of the
+    tile's h rows (hi into slot 0, lo into slot 1) and its B tile (slot 2), fenced; after phase 1 each runs
+    B·h_hiᵀ then B·h_loᵀ with both operands in shared memory (a register-sourced B tile there makes ptxas
+    serialize every wgmma of the kernel, C7512); bias; the output tile goes through shared memory so that
+    each thread stores 16 contiguous bytes.
+Numbers (bench/results/explore_gluon_rs_h200.json, base GEMM at 8192 tokens on the H200): 1.05-1.11x cuBLAS
+bf16 forward, 1.12-1.24x for the transposed dx read (1-byte LDS per code), against 1.2-1.5x for the Triton
+loop; with them the training linear's forward+backward is 0.95-1.03x PEFT's (bench/results/kernels_*).
+
+Limits (the caller, lora_gemm_triton, routes everything else to the Triton kernel and records which ran):
+bf16 x, one adapter without metadata (the trainer; no gather, no DoRA g), rank <= 64, K % 128 == 0,
+N % 128 == 0, sm_90. Gluon kernels do not run under TRITON_INTERPRET: the CPU tests compile this one for
+sm_90a (ptxas) and check the protocol; the numerics are GPU tests against the reference and against K2.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from ._triton_utils import launch
+
+OP = "lora_gemm"
+BM, BN, BK, STAGES, GROUP_M = 256, 128, 64, 4, 8     # tokens, weight rows (2 warpgroups x 64), k-step, ring
+MAX_RANK = 64                                         # h hi, h lo and B each take one ring slot's columns
+MMA_REGS, LOAD_REGS, LAUNCH_REGS = 232, 24, 168       # per thread; 384 threads x 168 fit the register file
+_MMA_REGS = gl.constexpr(MMA_REGS)
+_LOAD_REGS = gl.constexpr(LOAD_REGS)
+
+
+def supported(x: torch.Tensor, q: torch.Tensor, rank: int | None, *, gather: bool, has_g: bool) -> str | None:
+    """None if this kernel can run the call, else why not (recorded by the caller)."""
+    if not x.is_cuda:
+        return "not a CUDA tensor"
+    if x.dtype != torch.bfloat16:
+        return f"x dtype {x.dtype}"
+    if gather or has_g:
+        return "metadata (gather) or DoRA g"
+    if rank is not None and rank > MAX_RANK:
+        return f"rank {rank} > {MAX_RANK}"
+    N, K = q.shape
+    if K % (2 * BK) or N % BN:
+        return f"shape N={N}, K={K} (needs N % {BN} == 0, K % {2 * BK} == 0)"
+    if not (q.stride(1) == 1 or q.stride(0) == 1):
+        return "q is neither row-major nor a transposed row-major view"
+    if (x.stride(0) * 2) % 16 or x.data_ptr() % 16 or q.data_ptr() % 16:
+        return "x / q not 16-byte aligned for TMA"
+    if _capability(x.device) != (9, 0):
+        return "not sm_90"
+    return None
+
+
+_caps: dict = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    if device not in _caps:
+        _caps[device] = torch.cuda.get_device_capability(device)
+    return _caps[device]
+
+
+@gluon.jit
+def _e4m3x2_to_bf16(codes):
+    """Exact e4m3 -> bf16 on two codes per 32-bit register (the A fragment's k-pairs): byte and sign spread
+    (PRMT), exponent/mantissa moved into bf16's fields, times 2^120 (bias 127 - 7); lora_gemm._e4m3x2_to_bf16."""
+    return gl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t, k;
+        prmt.b32 t, $1, 0, 0x9180;
+        shl.b32 t, t, 4;
+        and.b32 t, t, 0x87F087F0;
+        mov.b32 k, 0x7B807B80;
+        mul.rn.bf16x2 $0, t, k;
+        }
+        """,
+        constraints="=r,r", args=[codes.to(gl.uint8, bitcast=True)], dtype=gl.bfloat16, is_pure=True, pack=2)
+
+
+@gluon.jit
+def _keep(x):
+    """A zero-instruction use of x (tied in/out registers): x's registers stay live up to here, so no later value
+    takes them while an asynchronous wgmma may still read them."""
+    return gl.inline_asm_elementwise("", "=r,0", [x], dtype=x.dtype, is_pure=False, pack=2)
+
+
+@gluon.jit
+def _tile_offsets(M, N, TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr):
+    # grouped order: GROUP_M token tiles sweep all weight tiles (x and q tiles stay in L2)
+    pid = gl.program_id(0)
+    num_m = gl.cdiv(M, TM)
+    num_n = gl.cdiv(N, TN)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = gl.minimum(num_m - first_m, GROUP_M)
+    return (first_m + (pid % per_group) % group_size) * TM, ((pid % per_group) // group_size) * TN
+
+
+@gluon.jit
+def _loader(descs, rings, bars, offs, out_args, lora_args, WG: gl.constexpr, TRANS_Q: gl.constexpr,
+            HAS_SCALE: gl.constexpr, HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, BR: gl.constexpr,
+            NWG: gl.constexpr):
+    """One warp: x and e4m3 tiles of step i into slot i % S once every MMA warpgroup released step i - S."""
+    x_desc, q_desc = descs
+    x_ring, q_ring = rings
+    ready, consumed, epi = bars
+    off_t, off_w, k_tiles = offs
+    S: gl.constexpr = x_ring.type.shape[0]
+    BKc: gl.constexpr = x_ring.type.shape[2]
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
+    for i in range(k_tiles):
+        s = i % S
+        mbarrier.wait(consumed.index(s), ((i // S) & 1) ^ 1)          # fresh barrier: the first lap passes
+        mbarrier.expect(ready.index(s), nbytes)
+        tma.async_copy_global_to_shared(x_desc, [off_t, i * BKc], ready.index(s), x_ring.index(s))
+        if TRANS_Q:
+            tma.async_copy_global_to_shared(q_desc, [i * BKc, off_w], ready.index(s), q_ring.index(s))
+        else:
+            tma.async_copy_global_to_shared(q_desc, [off_w, i * BKc], ready.index(s), q_ring.index(s))
+
+
+@gluon.jit
+def _operand(q_ring, ready, i, a_layout: gl.constexpr, WG: gl.constexpr, TRANS_Q: gl.constexpr):
+    """Wait for step i's slot; this warpgroup's 64 e4m3 rows straight into the A fragment, widened."""
+    S: gl.constexpr = q_ring.type.shape[0]
+    s = i % S
+    mbarrier.wait(ready.index(s), (i // S) & 1)
+    if TRANS_Q:
+        w_tile = q_ring.index(s).slice(WG * 64, 64, dim=1).permute((1, 0))    # [64 out, BK red] of [BK, BN]
+    else:
+        w_tile = q_ring.index(s).slice(WG * 64, 64)                            # [64 rows, BK]
+    return _e4m3x2_to_bf16(w_tile.load(a_layout))
+
+
+@gluon.jit
+def _mma(descs, rings, bars, offs, out_args, lora_args, WG: gl.constexpr, TRANS_Q: gl.constexpr,
+         HAS_SCALE: gl.constexpr, HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, BR: gl.constexpr,
+         NWG: gl.constexpr):
+    """Warpgroup WG: acc[64 weight rows, BM tokens] += widen(q rows) · x_stageᵀ over K; then the epilogue."""
+    x_ring, q_ring = rings
+    ready, consumed, epi = bars
+    off_t, off_w, k_tiles = offs
+    y_ptr, sw_ptr, bias_ptr, M, N = out_args
+    S: gl.constexpr = x_ring.type.shape[0]
+    BMc: gl.constexpr = x_ring.type.shape[1]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BMc, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
+
+    # ---- main loop (module docstring: two steps per iteration, the first two peeled; K % 2·BK == 0)
+    a0 = _operand(q_ring, ready, 0, a_layout, WG, TRANS_Q)
+    acc = warpgroup_mma(a0, x_ring.index(0).permute((1, 0)), gl.zeros([64, BMc], gl.float32, layout),
+                        use_acc=False, is_async=True)
+    a1 = _operand(q_ring, ready, 1, a_layout, WG, TRANS_Q)
+    acc = warpgroup_mma(a1, x_ring.index(1 % S).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))          # step 0 retired
+    a0 = _keep(a0)
+    mbarrier.arrive(consumed.index(0))
+    for i in range(2, k_tiles, 2):
+        a0 = _operand(q_ring, ready, i, a_layout, WG, TRANS_Q)
+        acc = warpgroup_mma(a0, x_ring.index(i % S).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))      # step i-1 retired
+        a1 = _keep(a1)
+        mbarrier.arrive(consumed.index((i - 1) % S))
+        a1 = _operand(q_ring, ready, i + 1, a_layout, WG, TRANS_Q)
+        acc = warpgroup_mma(a1, x_ring.index((i + 1) % S).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))      # step i retired
+        a0 = _keep(a0)
+        mbarrier.arrive(consumed.index(i % S))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+    # ---- epilogue (same operations in the same order as lora_gemm's kernel: identical bits)
+    rows = off_w + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))      # output columns [64]
+    if HAS_SCALE:
+        acc = acc * gl.load(sw_ptr + rows)[:, None]
+    if HAS_LORA:
+        h_ptr, b_ptr, stride_hm, stride_bn, stride_br, R = lora_args
+        # phase 0: both warpgroups retired every wgmma, so the ring (all TMA writes landed) is free for h and B
+        mbarrier.arrive(epi)
+        mbarrier.wait(epi, 0)
+        # slot 0 <- h_hi, slot 1 <- h_lo ([BM, BR] bf16, this warpgroup writes half of the tokens, 32 at a time:
+        # the accumulator stays live meanwhile), slot 2 rows WG*64:+64 <- this warpgroup's B tile [64, BR].
+        # Both LoRA operands come from shared memory: a register-sourced B tile here makes ptxas serialize
+        # every wgmma of the kernel (C7512, insufficient registers).
+        HALF: gl.constexpr = BMc // NWG
+        PIECE: gl.constexpr = 32
+        h_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[2, 16],
+                                             warps_per_cta=[4, 1], order=[1, 0])
+        offs_hr = gl.arange(0, BR, layout=gl.SliceLayout(0, h_l))
+        for p in gl.static_range(HALF // PIECE):
+            offs_ht = off_t + WG * HALF + p * PIECE + gl.arange(0, PIECE, layout=gl.SliceLayout(1, h_l))
+            ok = (offs_ht < M)[:, None] & (offs_hr < R)[None, :]
+            hv = gl.load(h_ptr + offs_ht[:, None].to(gl.int64) * stride_hm + offs_hr[None, :], mask=ok, other=0.0)
+            h_hi = hv.to(gl.bfloat16)
+            # bf16 -> fp32 as a 16-bit shift (exact), as lora_gemm._lora_mma does
+            hi32 = (h_hi.to(gl.uint16, bitcast=True).to(gl.uint32) << 16).to(gl.float32, bitcast=True)
+            x_ring.index(0).slice(0, BR, dim=1).slice(WG * HALF + p * PIECE, PIECE).store(h_hi)
+            x_ring.index(1).slice(0, BR, dim=1).slice(WG * HALF + p * PIECE, PIECE).store(
+                (hv - hi32).to(gl.bfloat16))
+        rows_b = off_w + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, h_l))
+        bt = gl.load(b_ptr + rows_b[:, None].to(gl.int64) * stride_bn + offs_hr[None, :] * stride_br,
+                     mask=(offs_hr < R)[None, :], other=0.0).to(gl.bfloat16)             # [64, BR]
+        b_s = x_ring.index(2).slice(0, BR, dim=1).slice(WG * 64, 64)
+        b_s.store(bt)
+        fence_async_shared()                       # generic-proxy stores -> wgmma (async proxy) reads
+        mbarrier.arrive(epi)                       # phase 1: both halves of h written
+        mbarrier.wait(epi, 1)
+        # K2's order: B · h_hiᵀ (k16 steps in rank order), then B · h_loᵀ
+        acc = warpgroup_mma(b_s, x_ring.index(0).slice(0, BR, dim=1).permute((1, 0)), acc)
+        acc = warpgroup_mma(b_s, x_ring.index(1).slice(0, BR, dim=1).permute((1, 0)), acc)
+    if HAS_BIAS:
+        acc = acc + gl.load(bias_ptr + rows).to(gl.float32)[:, None]
+    # through shared memory into 8 consecutive output columns per thread (16-byte stores)
+    out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, 4],
+                                           order=[0, 1])
+    y = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), out_l)
+    offs_c = off_w + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
+    offs_t = off_t + gl.arange(0, BMc, layout=gl.SliceLayout(0, out_l))
+    gl.store(y_ptr + offs_t[None, :].to(gl.int64) * N + offs_c[:, None], y, mask=(offs_t < M)[None, :])
+
+
+@gluon.jit
+def _lora_gemm_rs_kernel(x_desc, q_desc, y_ptr, sw_ptr, bias_ptr, h_ptr, b_ptr, M, N, K, R,
+                         stride_hm, stride_bn, stride_br,
+                         TRANS_Q: gl.constexpr, HAS_SCALE: gl.constexpr, HAS_LORA: gl.constexpr,
+                         HAS_BIAS: gl.constexpr, BR: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    BMc: gl.constexpr = x_desc.block_type.shape[0]
+    BKc: gl.constexpr = x_desc.block_type.shape[1]
+    if TRANS_Q:
+        BNc: gl.constexpr = q_desc.block_type.shape[1]
+    else:
+        BNc: gl.constexpr = q_desc.block_type.shape[0]
+    NWG: gl.constexpr = BNc // 64                                       # MMA warpgroups, 64 weight rows each
+    off_t, off_w = _tile_offsets(M, N, BMc, BNc, GROUP_M)
+    k_tiles = K // BKc
+    x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BMc, BKc], x_desc.layout)
+    q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    consumed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    epi = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(consumed.index(i), count=NWG)
+    mbarrier.init(epi, count=NWG)
+    fence_async_shared()
+    descs = (x_desc, q_desc)
+    rings = (x_ring, q_ring)
+    bars = (ready, consumed, epi)
+    offs = (off_t, off_w, k_tiles)
+    out_args = (y_ptr, sw_ptr, bias_ptr, M, N)
+    lora_args = (h_ptr, b_ptr, stride_hm, stride_bn, stride_br, R)
+    gl.static_assert(NWG == 2, "two MMA warpgroups of 64 weight rows")
+    gl.warp_specialize([
+        (_mma, (descs, rings, bars, offs, out_args, lora_args, 0, TRANS_Q, HAS_SCALE, HAS_LORA, HAS_BIAS, BR, NWG)),
+        (_mma, (descs, rings, bars, offs, out_args, lora_args, 1, TRANS_Q, HAS_SCALE, HAS_LORA, HAS_BIAS, BR, NWG)),
+        (_loader, (descs, rings, bars, offs, out_args, lora_args, 0, TRANS_Q, HAS_SCALE, HAS_LORA, HAS_BIAS, BR, NWG)),
+    ], [4, 1], [_MMA_REGS, _LOAD_REGS])
+
+
+def launch_args(x: torch.Tensor, q: torch.Tensor, w_scale, h=None, B=None, bias=None, out=None):
+    """(kernel, grid, args, kwargs) of one launch (CPU tensors work too: the descriptors only record).
+    x [M, K] bf16; q [N, K] e4m3 row-major, or the transposed view of stored codes [K, N] (dx GEMM);
+    w_scale [N] fp32 or None; h [1, M, r] fp32 and B [1, N, r] (any strides) or None; bias [N] or None."""
+    M, K = x.shape
+    N = q.shape[0]
+    trans = q.stride(1) != 1
+    bm, bn, stages = BM, BN, STAGES
+    x_desc = TensorDescriptor.from_tensor(x, [bm, BK], gl.NVMMASharedLayout.get_default_for([bm, BK], gl.bfloat16))
+    q_block = [BK, bn] if trans else [bn, BK]
+    q_desc = TensorDescriptor.from_tensor(q.t() if trans else q, q_block,       # q.t(): the stored codes [K, N]
+                                          gl.NVMMASharedLayout.get_default_for(q_block, gl.float8e4nv))
+    dummy = out
+    has_lora = h is not None
+    if has_lora:
+        h2, b2 = h[0], B[0]                                                     # [M, r], [N, r]
+        if h2.stride(1) != 1:
+            h2 = h2.contiguous()
+        lora = (h2, b2, M, N, K, b2.shape[1], h2.stride(0), b2.stride(0), b2.stride(1))
+    else:
+        lora = (dummy, dummy, M, N, K, 0, 0, 0, 0)
+    args = (x_desc, q_desc, out, w_scale if w_scale is not None else dummy, bias if bias is not None else dummy,
+            lora[0], lora[1], *lora[2:])
+    r = lora[5]
+    kwargs = dict(TRANS_Q=trans, HAS_SCALE=w_scale is not None, HAS_LORA=has_lora, HAS_BIAS=bias is not None,
+                  BR=max(16, triton.next_power_of_2(r)) if has_lora else 16, STAGES=stages, GROUP_M=GROUP_M,
+                  num_warps=4, maxnreg=LAUNCH_REGS)
+    grid = (triton.cdiv(M, bm) * (N // bn),)
+    return _lora_gemm_rs_kernel, grid, args, kwargs
+
+
+def lora_gemm_rs(x, q, w_scale, h=None, B=None, bias=None, out=None) -> torch.Tensor:
+    """Run the kernel (the caller checked `supported`); returns out [M, N] (x.dtype)."""
+    if out is None:
+        out = torch.empty((x.shape[0], q.shape[0]), dtype=x.dtype, device=x.device)
+    kernel, grid, args, kwargs = launch_args(x, q, w_scale, h, B, bias, out)
+    launch(kernel, grid, *args, **kwargs)
+    return out
