@@ -15,6 +15,9 @@ Kernel strategy (Hopper):
   * W8A16 calls above 512 tokens without metadata (the trainer's forward and dx GEMMs, long prefills) go
     to lora_gemm_rs (Gluon, warp-specialized, the same MMAs and epilogue: bit-identical) when it supports
     them; dispatch records "lora_gemm.mainloop" = gluon_rs | triton. An explicit `config` keeps this kernel.
+  * W8A16 swap_ab: each k-step's wgmmas retire before the next widening (SYNC_A): their register A operand is
+    read asynchronously, and keeping them in flight let ptxas hand their registers to the next tile (garbage
+    tiles on the H200, bench/stress_determinism.py).
   * swap-AB: the program computes the transposed tile accᵀ [BLOCK_N, BLOCK_M] = W_tile · x_tileᵀ, so the
     weight rows fill the 64-row wgmma M side even for a handful of tokens (BLOCK_M = 16 at decode), and in
     W8A16 the widened weight tile is the register-sourced A operand of wgmma (no round trip through shared
@@ -181,6 +184,13 @@ def _e4m3x4_to_bf16(w):
 
 
 @triton.jit
+def _keep(x):
+    """A zero-instruction use of x (tied in/out registers, GPU code only): an instruction that reads x, so
+    Triton must retire the wgmmas producing x before it."""
+    return tl.inline_asm_elementwise("", "=r,0", [x], dtype=x.dtype, is_pure=False, pack=1)
+
+
+@triton.jit
 def _e4m3x2_to_bf16(w):
     """_e4m3x4_to_bf16's arithmetic on two codes per call (pack=2): for the swap_ab main loop, whose
     register-operand layout gives each thread pairs of codes (one 16-bit load each). One PRMT (only bytes
@@ -333,6 +343,7 @@ def _lora_gemm_kernel(
                                 # stored codes [K, N] with block [BLOCK_K, BLOCK_N], transposed in shared memory
     SWAP_AB: tl.constexpr,      # True: accᵀ = W·xᵀ (weight rows on wgmma's M side); False: acc = x·Wᵀ
     X_TMA: tl.constexpr,        # x tiles through TMA (x_ptr is a descriptor over x [M, K], block [BLOCK_M, BLOCK_K])
+    SYNC_A: tl.constexpr,       # W8A16 swap_ab: retire each k-step's wgmmas before the next widening (see there)
     FP8_ACC: tl.constexpr,      # W8A8: max_num_imprecise_acc for the FP8 wgmma (None = Triton's sm_90 default,
                                 # fast accumulation as CUTLASS's FastAccum; an int promotes every FP8_ACC k)
 ):
@@ -414,6 +425,14 @@ def _lora_gemm_kernel(
             wv = w                                                # e4m3 x e4m3 wgmma
         if SWAP_AB:
             acc = tl.dot(wv, xt, acc, max_num_imprecise_acc=None if WIDEN_W else FP8_ACC)
+            if SYNC_A:
+                # wgmma reads its register A operand (the widened tile) asynchronously. Waiting for this
+                # k-step's wgmmas here (a use of acc) means the next widening never writes registers an
+                # in-flight wgmma still reads. Without it Triton keeps 3-7 groups in flight across k-steps and
+                # ptxas reuses their A registers: on the H200 the 8192-token config with a bias gave garbage
+                # (rows of weights x all tokens of a tile) in up to 30 of 30 calls. Cost: nothing at <= 64
+                # tokens, ~10% at 256, ~30% at 1024 (where lora_gemm_rs runs the calls without metadata).
+                acc = _keep(acc)
         else:
             # tokens on wgmma's M side, the (widened) weight tile as the shared-memory B operand
             acc_mn = tl.dot(xt, tl.trans(wv), acc_mn, max_num_imprecise_acc=None if WIDEN_W else FP8_ACC)
@@ -640,6 +659,9 @@ def lora_gemm_ref(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAMeta
 
 # RLFP8_GEMM_RS=0: never the Gluon main loop (A/B timing, debugging); the dispatch records which one ran
 GEMM_RS = os.environ.get("RLFP8_GEMM_RS", "1") != "0"
+# RLFP8_K2_SYNC_A=0: let W8A16 swap_ab wgmmas stay in flight across k-steps (reproduces the race SYNC_A
+# prevents, bench/stress_determinism.py; never for real runs)
+SYNC_A = os.environ.get("RLFP8_K2_SYNC_A", "1") != "0"
 
 
 def _rs_unsupported(x, q, slices, gather, g, lora_precision, use_pdl) -> str | None:
@@ -764,6 +786,7 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
            LORA_PREC=lora_precision, LORA_DT=_lora_dt(slices[0].dtype if has_lora else None),
            EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,
            USE_PDL=use_pdl, PDL_WAIT_EARLY=mode == "w8a8", W_TMA=w_tma, SWAP_AB=cfg.swap_ab, X_TMA=x_tma,
+           SYNC_A=SYNC_A and mode == "w8a16" and cfg.swap_ab and not dispatch.triton_interpreting(),
            FP8_ACC=None if FP8_PRECISE_ACC is None else min(FP8_PRECISE_ACC, cfg.block_k),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
     return out

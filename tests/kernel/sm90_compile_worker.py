@@ -188,15 +188,18 @@ def _sass_facts(cubin: bytes, idx: int) -> dict:
             ins.append((int(mm.group(1), 16), mm.group(2)))
     where = {a: i for i, (a, _) in enumerate(ins)}
     loop_ops: dict[str, int] = {}
+    waits: set[int] = set()
     for i, (a, t) in enumerate(ins):
         mb = re.search(r"BRA\s.*?0x([0-9a-f]+)", t)
         if mb and int(mb.group(1), 16) < a and int(mb.group(1), 16) in where:
-            body = [re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0]
-                    for _, b in ins[where[int(mb.group(1), 16)]:i + 1]]
+            text = [b for _, b in ins[where[int(mb.group(1), 16)]:i + 1]]
+            body = [re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0] for b in text]
             if any(op in ("HGMMA", "QGMMA", "HMMA") for op in body):
                 for op in body:
                     loop_ops[op] = loop_ops.get(op, 0) + 1
+                waits |= {int(v, 16) for b in text for v in re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x[0-9a-f]+)", b)}
     out["mma_loop_f2f"] = loop_ops.get("F2F", 0)
+    out["mma_loop_wgmma_waits"] = sorted(waits)
     out["mma_loop_ops"] = sum(loop_ops.values())
     return out
 

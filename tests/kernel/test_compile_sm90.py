@@ -122,6 +122,18 @@ def test_pdl_wait_point_present_only_when_asked(compiled):
     assert not any(r["gdc_wait"] or r["gdc_launch"] for r in compiled if not r["constexprs"].get("USE_PDL"))
 
 
+def test_w8a16_register_a_loops_retire_wgmmas_before_the_next_widening(compiled):
+    """K2's W8A16 swap_ab loops read the widened tile as wgmma's register operand, asynchronously: each k-step
+    waits for its wgmmas (WARPGROUP.DEPBAR.LE gsb0, 0x0 in the loop, none left in flight) before the next
+    widening writes registers (SYNC_A; without it the H200 gave garbage tiles at 8192 tokens with a bias)."""
+    loops = [r for r in compiled if r["name"] == "_lora_gemm_kernel" and r["constexprs"]["WIDEN_W"]
+             and r["constexprs"]["SWAP_AB"]]
+    assert len(loops) >= 10
+    for r in loops:
+        assert r["constexprs"]["SYNC_A"], r["constexprs"]
+        assert r["mma_loop_wgmma_waits"] == [0], (r["mma_loop_wgmma_waits"], r["constexprs"])
+
+
 def test_gluon_main_loop_pipelined_without_spills(compiled):
     """lora_gemm_rs (Gluon, warp-specialized, register-A wgmma): every variant the dispatch can pick (forward
     with LoRA ranks 16/64 and bias, dx GEMM on the transposed codes, base GEMM) compiles for sm_90a with TMA
