@@ -662,8 +662,6 @@ GEMM_RS = os.environ.get("RLFP8_GEMM_RS", "1") != "0"
 # RLFP8_K2_SYNC_A=0: let W8A16 swap_ab wgmmas stay in flight across k-steps (reproduces the race SYNC_A
 # prevents, bench/stress_determinism.py; never for real runs)
 SYNC_A = os.environ.get("RLFP8_K2_SYNC_A", "1") != "0"
-# token counts at which the W8A16 base GEMM (no adapter) runs lora_gemm_rs's K-split decode variant
-RS_BASE_M = tuple(int(v) for v in os.environ.get("RLFP8_RS_BASE_M", "1,64").split(","))
 
 
 def _rs_unsupported(x, q, slices, gather, g, lora_precision, use_pdl) -> str | None:
@@ -713,10 +711,8 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
         raise ValueError(f"rlfp8.kernels.{OP}: config widen must be one of {WIDENINGS}, got {cfg}")
     has_lora = slices is not None and not (meta is not None and meta.no_lora)
     gather = (meta is not None and has_lora) if gather is None else (gather and meta is not None)
-    if (mode == "w8a16" and config is None and not dispatch.triton_interpreting()
-            and (m_bucket(M) == M_BUCKETS[-1] or (RS_BASE_M[0] <= M <= RS_BASE_M[1] and not has_lora))):
-        # many tokens (the trainer's steps, long prefills; the same bits as this kernel), or the base GEMM at
-        # decode sizes (K split over two warpgroups): the Gluon warp-specialized main loop
+    if mode == "w8a16" and config is None and m_bucket(M) == M_BUCKETS[-1] and not dispatch.triton_interpreting():
+        # many tokens (the trainer's steps, long prefills): the Gluon warp-specialized main loop, same bits
         why = _rs_unsupported(x, q, slices if has_lora else None, gather, g, lora_precision, use_pdl)
         dispatch.record(f"{OP}.mainloop", "gluon_rs" if why is None else "triton")
         if why is None:

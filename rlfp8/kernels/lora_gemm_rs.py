@@ -53,7 +53,6 @@ from ._triton_utils import launch
 OP = "lora_gemm"
 BM, BN, BK, STAGES, GROUP_M = 256, 128, 64, 4, 8     # tokens, weight rows (2 warpgroups x 64), k-step, ring
 MAX_RANK = 64                                         # h hi, h lo and B each take one ring slot's columns
-SMALL_M, SMALL_STAGES = 64, 8                         # decode sizes: base GEMM only, K split, deeper ring
 MMA_REGS, LOAD_REGS, LAUNCH_REGS = 232, 24, 168       # per thread; 384 threads x 168 fit the register file
 _MMA_REGS = gl.constexpr(MMA_REGS)
 _LOAD_REGS = gl.constexpr(LOAD_REGS)
@@ -63,8 +62,6 @@ def supported(x: torch.Tensor, q: torch.Tensor, rank: int | None, *, gather: boo
     """None if this kernel can run the call, else why not (recorded by the caller)."""
     if not x.is_cuda:
         return "not a CUDA tensor"
-    if x.shape[0] <= SMALL_M and rank is not None:
-        return f"LoRA at {x.shape[0]} <= {SMALL_M} tokens"
     if x.dtype != torch.bfloat16:
         return f"x dtype {x.dtype}"
     if gather or has_g:
@@ -72,8 +69,8 @@ def supported(x: torch.Tensor, q: torch.Tensor, rank: int | None, *, gather: boo
     if rank is not None and rank > MAX_RANK:
         return f"rank {rank} > {MAX_RANK}"
     N, K = q.shape
-    if K % (4 * BK) or N % BN:
-        return f"shape N={N}, K={K} (needs N % {BN} == 0, K % {4 * BK} == 0)"
+    if K % (2 * BK) or N % BN:
+        return f"shape N={N}, K={K} (needs N % {BN} == 0, K % {2 * BK} == 0)"
     if not (q.stride(1) == 1 or q.stride(0) == 1):
         return "q is neither row-major nor a transposed row-major view"
     if (x.stride(0) * 2) % 16 or x.data_ptr() % 16 or q.data_ptr() % 16:
@@ -132,10 +129,10 @@ def _tile_offsets(M, N, TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexp
 @gluon.jit
 def _loader(descs, rings, bars, offs, out_args, lora_args, WG: gl.constexpr, TRANS_Q: gl.constexpr,
             HAS_SCALE: gl.constexpr, HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, BR: gl.constexpr,
-            NWG: gl.constexpr, KS: gl.constexpr):
+            NWG: gl.constexpr):
     """One warp: x and e4m3 tiles of step i into slot i % S once every MMA warpgroup released step i - S."""
     x_desc, q_desc = descs
-    x_ring, q_ring, red = rings
+    x_ring, q_ring = rings
     ready, consumed, epi = bars
     off_t, off_w, k_tiles = offs
     S: gl.constexpr = x_ring.type.shape[0]
@@ -153,71 +150,57 @@ def _loader(descs, rings, bars, offs, out_args, lora_args, WG: gl.constexpr, TRA
 
 
 @gluon.jit
-def _operand(q_ring, ready, i, a_layout: gl.constexpr, ROW: gl.constexpr, TRANS_Q: gl.constexpr):
-    """Wait for step i's slot; its e4m3 rows ROW:+64 straight into the A fragment, widened."""
+def _operand(q_ring, ready, i, a_layout: gl.constexpr, WG: gl.constexpr, TRANS_Q: gl.constexpr):
+    """Wait for step i's slot; this warpgroup's 64 e4m3 rows straight into the A fragment, widened."""
     S: gl.constexpr = q_ring.type.shape[0]
     s = i % S
     mbarrier.wait(ready.index(s), (i // S) & 1)
     if TRANS_Q:
-        w_tile = q_ring.index(s).slice(ROW, 64, dim=1).permute((1, 0))        # [64 out, BK red] of [BK, BN]
+        w_tile = q_ring.index(s).slice(WG * 64, 64, dim=1).permute((1, 0))    # [64 out, BK red] of [BK, BN]
     else:
-        w_tile = q_ring.index(s).slice(ROW, 64)                                # [64 rows, BK]
+        w_tile = q_ring.index(s).slice(WG * 64, 64)                            # [64 rows, BK]
     return _e4m3x2_to_bf16(w_tile.load(a_layout))
 
 
 @gluon.jit
 def _mma(descs, rings, bars, offs, out_args, lora_args, WG: gl.constexpr, TRANS_Q: gl.constexpr,
          HAS_SCALE: gl.constexpr, HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, BR: gl.constexpr,
-         NWG: gl.constexpr, KS: gl.constexpr):
-    """Warpgroup WG: acc[64 weight rows, BM tokens] += widen(q rows) · x_stageᵀ over K; then the epilogue.
-    KS = 1: the warpgroups own rows WG*64:+64 and every k-step; KS = 2 (decode sizes, base GEMM): both own the
-    tile's 64 rows, warpgroup WG takes the k-steps WG, WG+2, ... and warpgroup 0 adds warpgroup 1's sum."""
-    x_ring, q_ring, red = rings
+         NWG: gl.constexpr):
+    """Warpgroup WG: acc[64 weight rows, BM tokens] += widen(q rows) · x_stageᵀ over K; then the epilogue."""
+    x_ring, q_ring = rings
     ready, consumed, epi = bars
     off_t, off_w, k_tiles = offs
     y_ptr, sw_ptr, bias_ptr, M, N = out_args
     S: gl.constexpr = x_ring.type.shape[0]
     BMc: gl.constexpr = x_ring.type.shape[1]
-    ROW: gl.constexpr = WG * 64 if KS == 1 else 0
-    FIRST: gl.constexpr = 0 if KS == 1 else WG                  # this warpgroup's steps: FIRST + KS·j
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, BMc, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
 
-    # ---- main loop (module docstring: two steps per iteration, the first two peeled; K % 2·KS·BK == 0)
-    i0: gl.constexpr = FIRST
-    i1: gl.constexpr = FIRST + KS
-    a0 = _operand(q_ring, ready, i0, a_layout, ROW, TRANS_Q)
-    acc = warpgroup_mma(a0, x_ring.index(i0 % S).permute((1, 0)), gl.zeros([64, BMc], gl.float32, layout),
+    # ---- main loop (module docstring: two steps per iteration, the first two peeled; K % 2·BK == 0)
+    a0 = _operand(q_ring, ready, 0, a_layout, WG, TRANS_Q)
+    acc = warpgroup_mma(a0, x_ring.index(0).permute((1, 0)), gl.zeros([64, BMc], gl.float32, layout),
                         use_acc=False, is_async=True)
-    a1 = _operand(q_ring, ready, i1, a_layout, ROW, TRANS_Q)
-    acc = warpgroup_mma(a1, x_ring.index(i1 % S).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))          # step i0 retired
+    a1 = _operand(q_ring, ready, 1, a_layout, WG, TRANS_Q)
+    acc = warpgroup_mma(a1, x_ring.index(1 % S).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))          # step 0 retired
     a0 = _keep(a0)
-    mbarrier.arrive(consumed.index(i0 % S))
-    for i in range(FIRST + 2 * KS, k_tiles, 2 * KS):
-        a0 = _operand(q_ring, ready, i, a_layout, ROW, TRANS_Q)
+    mbarrier.arrive(consumed.index(0))
+    for i in range(2, k_tiles, 2):
+        a0 = _operand(q_ring, ready, i, a_layout, WG, TRANS_Q)
         acc = warpgroup_mma(a0, x_ring.index(i % S).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))      # step i - KS retired
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))      # step i-1 retired
         a1 = _keep(a1)
-        mbarrier.arrive(consumed.index((i - KS) % S))
-        a1 = _operand(q_ring, ready, i + KS, a_layout, ROW, TRANS_Q)
-        acc = warpgroup_mma(a1, x_ring.index((i + KS) % S).permute((1, 0)), acc, is_async=True)
+        mbarrier.arrive(consumed.index((i - 1) % S))
+        a1 = _operand(q_ring, ready, i + 1, a_layout, WG, TRANS_Q)
+        acc = warpgroup_mma(a1, x_ring.index((i + 1) % S).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))      # step i retired
         a0 = _keep(a0)
         mbarrier.arrive(consumed.index(i % S))
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    if KS == 2:
-        # warpgroup 1's partial sum through shared memory; warpgroup 0 adds it (fixed order: deterministic)
-        if WG == 1:
-            red.store(acc)
-            mbarrier.arrive(epi)
-            return
-        mbarrier.wait(epi, 0)
-        acc = acc + red.load(layout)
 
     # ---- epilogue (same operations in the same order as lora_gemm's kernel: identical bits)
-    rows = off_w + ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))          # output columns [64]
+    rows = off_w + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))      # output columns [64]
     if HAS_SCALE:
         acc = acc * gl.load(sw_ptr + rows)[:, None]
     if HAS_LORA:
@@ -261,7 +244,7 @@ def _mma(descs, rings, bars, offs, out_args, lora_args, WG: gl.constexpr, TRANS_
     out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, 4],
                                            order=[0, 1])
     y = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), out_l)
-    offs_c = off_w + ROW + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
+    offs_c = off_w + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
     offs_t = off_t + gl.arange(0, BMc, layout=gl.SliceLayout(0, out_l))
     gl.store(y_ptr + offs_t[None, :].to(gl.int64) * N + offs_c[:, None], y, mask=(offs_t < M)[None, :])
 
@@ -270,46 +253,37 @@ def _mma(descs, rings, bars, offs, out_args, lora_args, WG: gl.constexpr, TRANS_
 def _lora_gemm_rs_kernel(x_desc, q_desc, y_ptr, sw_ptr, bias_ptr, h_ptr, b_ptr, M, N, K, R,
                          stride_hm, stride_bn, stride_br,
                          TRANS_Q: gl.constexpr, HAS_SCALE: gl.constexpr, HAS_LORA: gl.constexpr,
-                         HAS_BIAS: gl.constexpr, BR: gl.constexpr, STAGES: gl.constexpr, KS: gl.constexpr,
-                         GROUP_M: gl.constexpr):
+                         HAS_BIAS: gl.constexpr, BR: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
     BMc: gl.constexpr = x_desc.block_type.shape[0]
     BKc: gl.constexpr = x_desc.block_type.shape[1]
     if TRANS_Q:
         BNc: gl.constexpr = q_desc.block_type.shape[1]
     else:
         BNc: gl.constexpr = q_desc.block_type.shape[0]
-    NWG: gl.constexpr = BNc // 64 * KS                                 # MMA warpgroups
-    gl.static_assert(NWG == 2, "two MMA warpgroups: 2 x 64 weight rows, or 64 rows split along K")
-    gl.static_assert(KS == 1 or not HAS_LORA, "the K-split variant is for the base GEMM")
+    NWG: gl.constexpr = BNc // 64                                       # MMA warpgroups, 64 weight rows each
     off_t, off_w = _tile_offsets(M, N, BMc, BNc, GROUP_M)
     k_tiles = K // BKc
     x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BMc, BKc], x_desc.layout)
     q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    if KS == 2:
-        red = gl.allocate_shared_memory(gl.float32, [64, BMc], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    else:
-        red = x_ring                                                    # unused
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     consumed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     epi = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(consumed.index(i), count=NWG // KS)              # the warpgroups that read step i
-    mbarrier.init(epi, count=NWG // KS)
+        mbarrier.init(consumed.index(i), count=NWG)
+    mbarrier.init(epi, count=NWG)
     fence_async_shared()
     descs = (x_desc, q_desc)
-    rings = (x_ring, q_ring, red)
+    rings = (x_ring, q_ring)
     bars = (ready, consumed, epi)
     offs = (off_t, off_w, k_tiles)
     out_args = (y_ptr, sw_ptr, bias_ptr, M, N)
     lora_args = (h_ptr, b_ptr, stride_hm, stride_bn, stride_br, R)
+    gl.static_assert(NWG == 2, "two MMA warpgroups of 64 weight rows")
     gl.warp_specialize([
-        (_mma, (descs, rings, bars, offs, out_args, lora_args, 0, TRANS_Q, HAS_SCALE, HAS_LORA, HAS_BIAS, BR, NWG,
-                KS)),
-        (_mma, (descs, rings, bars, offs, out_args, lora_args, 1, TRANS_Q, HAS_SCALE, HAS_LORA, HAS_BIAS, BR, NWG,
-                KS)),
-        (_loader, (descs, rings, bars, offs, out_args, lora_args, 0, TRANS_Q, HAS_SCALE, HAS_LORA, HAS_BIAS, BR,
-                   NWG, KS)),
+        (_mma, (descs, rings, bars, offs, out_args, lora_args, 0, TRANS_Q, HAS_SCALE, HAS_LORA, HAS_BIAS, BR, NWG)),
+        (_mma, (descs, rings, bars, offs, out_args, lora_args, 1, TRANS_Q, HAS_SCALE, HAS_LORA, HAS_BIAS, BR, NWG)),
+        (_loader, (descs, rings, bars, offs, out_args, lora_args, 0, TRANS_Q, HAS_SCALE, HAS_LORA, HAS_BIAS, BR, NWG)),
     ], [4, 1], [_MMA_REGS, _LOAD_REGS])
 
 
@@ -320,10 +294,7 @@ def launch_args(x: torch.Tensor, q: torch.Tensor, w_scale, h=None, B=None, bias=
     M, K = x.shape
     N = q.shape[0]
     trans = q.stride(1) != 1
-    if M <= SMALL_M:       # decode sizes (base GEMM): 64 weight rows, K split over the two warpgroups
-        bm, bn, stages, ks = max(16, triton.next_power_of_2(M)), 64, SMALL_STAGES, 2
-    else:
-        bm, bn, stages, ks = BM, BN, STAGES, 1
+    bm, bn, stages = BM, BN, STAGES
     x_desc = TensorDescriptor.from_tensor(x, [bm, BK], gl.NVMMASharedLayout.get_default_for([bm, BK], gl.bfloat16))
     q_block = [BK, bn] if trans else [bn, BK]
     q_desc = TensorDescriptor.from_tensor(q.t() if trans else q, q_block,       # q.t(): the stored codes [K, N]
@@ -341,7 +312,7 @@ def launch_args(x: torch.Tensor, q: torch.Tensor, w_scale, h=None, B=None, bias=
             lora[0], lora[1], *lora[2:])
     r = lora[5]
     kwargs = dict(TRANS_Q=trans, HAS_SCALE=w_scale is not None, HAS_LORA=has_lora, HAS_BIAS=bias is not None,
-                  BR=max(16, triton.next_power_of_2(r)) if has_lora else 16, STAGES=stages, KS=ks, GROUP_M=GROUP_M,
+                  BR=max(16, triton.next_power_of_2(r)) if has_lora else 16, STAGES=stages, GROUP_M=GROUP_M,
                   num_warps=4, maxnreg=LAUNCH_REGS)
     grid = (triton.cdiv(M, bm) * (N // bn),)
     return _lora_gemm_rs_kernel, grid, args, kwargs
