@@ -29,13 +29,13 @@ and one code stream for both warpgroups, so the widening and the wgmma do not ov
     B·h_hiᵀ then B·h_loᵀ with both operands in shared memory (a register-sourced B tile there makes ptxas
     serialize every wgmma of the kernel, C7512); bias; the output tile goes through shared memory so that
     each thread stores 16 contiguous bytes.
-Numbers (bench/results/explore_gluon_rs_h200.json, base GEMM at 8192 tokens on the H200): 1.05-1.11x cuBLAS
-bf16 forward, 1.12-1.24x for the transposed dx read (1-byte LDS per code), against 1.2-1.5x for the Triton
-loop; with them the training linear's forward+backward is 0.95-1.03x PEFT's (bench/results/kernels_*).
+Numbers (bench/results/explore_gluon_rs_pkg_h200.json, base GEMM at 8192 tokens on the H200): 1.05-1.11x
+cuBLAS bf16 forward, 1.12-1.24x for the transposed dx read (1-byte LDS per code), against 1.2-1.5x for the
+Triton loop; with them the training linear's forward+backward is 0.96-1.03x PEFT's (kernels_h200.json).
 
 Limits (the caller, lora_gemm_triton, routes everything else to the Triton kernel and records which ran):
 bf16 x, one adapter without metadata (the trainer; no gather, no DoRA g), rank <= 64, K % 128 == 0,
-N % 128 == 0, sm_90. Gluon kernels do not run under TRITON_INTERPRET: the CPU tests compile this one for
+N % 128 == 0, sm_90, more than 512 tokens (below, decode-size variants were slower than the Triton kernel). Gluon kernels do not run under TRITON_INTERPRET: the CPU tests compile this one for
 sm_90a (ptxas) and check the protocol; the numerics are GPU tests against the reference and against K2.
 """
 from __future__ import annotations
