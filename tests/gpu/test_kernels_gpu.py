@@ -3,8 +3,9 @@ M in {1, 7, 16, 33, 128, 1000, 4096}, ranks 16/64/128, 1/4/32 adapters with some
 both engine modes: kernels against fp64 math; quantization bit-equal to the references (CUDA and CPU), to
 IEEE amax/448 and to vLLM's dynamic_per_token_scaled_fp8_quant; the matched property (engine W8A16 call and
 trainer forward bit-identical on the same rows); the two W8A16 widenings and the two multi-adapter epilogue
-variants bit-identical; the training linear's forward and backward against LoRALinearRef, with allocation
-sizes showing that no weight is copied.
+variants bit-identical; the Gluon main loop (lora_gemm_rs, > 512 tokens without metadata) bit-identical to
+the Triton kernel for the forward and dx GEMMs; the training linear's forward and backward against
+LoRALinearRef, with allocation sizes showing that no weight is copied.
 
 All kernels the cases need are compiled up front in parallel (rlfp8.kernels._triton_utils.precompile), so
 the module runs in about a minute or two on an H200:
