@@ -664,10 +664,12 @@ GEMM_RS = os.environ.get("RLFP8_GEMM_RS", "1") != "0"
 SYNC_A = os.environ.get("RLFP8_K2_SYNC_A", "1") != "0"
 
 
-def _rs_unsupported(x, q, slices, gather, g, lora_precision, use_pdl) -> str | None:
+def _rs_unsupported(x, q, slices, gather, g, lora_precision, use_pdl, out_dtype) -> str | None:
     """None when lora_gemm_rs can run this W8A16 call with K2's exact arithmetic, else the reason."""
     if not GEMM_RS:
         return "RLFP8_GEMM_RS=0"
+    if out_dtype != torch.bfloat16:          # its epilogue tile goes through shared memory sized for bf16
+        return f"out dtype {out_dtype}"
     if lora_precision != "bf16x2" or use_pdl:
         return f"lora_precision {lora_precision}, use_pdl {use_pdl}"
     if slices is not None and (len(slices) != 1 or slices[0].shape[0] != 1 or slices[0].dtype == torch.float16):
@@ -713,7 +715,7 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     gather = (meta is not None and has_lora) if gather is None else (gather and meta is not None)
     if mode == "w8a16" and config is None and m_bucket(M) == M_BUCKETS[-1] and not dispatch.triton_interpreting():
         # many tokens (the trainer's steps, long prefills): the Gluon warp-specialized main loop, same bits
-        why = _rs_unsupported(x, q, slices if has_lora else None, gather, g, lora_precision, use_pdl)
+        why = _rs_unsupported(x, q, slices if has_lora else None, gather, g, lora_precision, use_pdl, out.dtype)
         dispatch.record(f"{OP}.mainloop", "gluon_rs" if why is None else "triton")
         if why is None:
             from .lora_gemm_rs import lora_gemm_rs

@@ -521,8 +521,8 @@ def test_gluon_rs_bits_equal_triton_kernel(shape, M, r, bias):
 
 
 def test_gluon_rs_not_used_where_unsupported():
-    """Metadata (gather), fp16 x, an explicit config or RLFP8_GEMM_RS=0 keep the Triton kernel; the dispatch
-    says which main loop ran."""
+    """Metadata (gather), fp16 x, an fp32 output, an explicit config or RLFP8_GEMM_RS=0 keep the Triton kernel;
+    the dispatch says which main loop ran."""
     K, widths, q, sw = _weights("o", seed=13)
     N, M = sum(widths), 1024
     x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
@@ -531,8 +531,10 @@ def test_gluon_rs_not_used_where_unsupported():
     dispatch.reset_report()
     lora_gemm_triton(x, q, sw, h=h, B=B, meta=meta)
     lora_gemm_triton(x.half(), q, sw)
+    y32 = lora_gemm_triton(x, q, sw, out_dtype=torch.float32)
     lora_gemm_triton(x, q, sw, config=gemm_config("w8a16", M, N, K, DEV))    # explicit config: no record
     if tu._collector is not None:
         return
-    assert dispatch.report()["lora_gemm.mainloop"] == {"triton": 2}, dispatch.report()
+    assert dispatch.report()["lora_gemm.mainloop"] == {"triton": 3}, dispatch.report()
+    assert rel_err(y32, lora_gemm_ref(x, q, sw, out_dtype=torch.float32)) < 1e-4
 
