@@ -89,6 +89,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
 from rlfp8.kernels import lora_gemm_rs  # noqa: E402
+from rlfp8.kernels.lora_gemm_rs import _tile_offsets  # noqa: E402  (grouped tile order, same as the package)
 from rlfp8.kernels._triton_utils import compile_like_jit  # noqa: E402
 
 SHAPES = ((8192, 6144, 4096), (8192, 4096, 4096), (8192, 4096, 12288), (8192, 24576, 4096))   # (M, N out, K in)
@@ -174,20 +175,6 @@ def _widen_layout(BK, num_warps):
     tk = BK // 16
     return gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[32 // tk, tk], warps_per_cta=[num_warps, 1],
                             order=[1, 0])
-
-
-@gluon.jit
-def _tile_offsets(M, N, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr):
-    # grouped order: GROUP_M token tiles sweep all weight tiles (x tiles and q tiles stay in L2)
-    pid = gl.program_id(0)
-    num_m = gl.cdiv(M, BM)
-    num_n = gl.cdiv(N, BN)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = gl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
-    return pid_m * BM, pid_n * BN
 
 
 @gluon.jit

@@ -127,13 +127,11 @@ def _tile_offsets(M, N, TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexp
 
 
 @gluon.jit
-def _loader(descs, rings, bars, offs, out_args, lora_args, WG: gl.constexpr, TRANS_Q: gl.constexpr,
-            HAS_SCALE: gl.constexpr, HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, BR: gl.constexpr,
-            NWG: gl.constexpr):
+def _loader(descs, rings, bars, offs, TRANS_Q: gl.constexpr):
     """One warp: x and e4m3 tiles of step i into slot i % S once every MMA warpgroup released step i - S."""
     x_desc, q_desc = descs
     x_ring, q_ring = rings
-    ready, consumed, epi = bars
+    ready, consumed = bars
     off_t, off_w, k_tiles = offs
     S: gl.constexpr = x_ring.type.shape[0]
     BKc: gl.constexpr = x_ring.type.shape[2]
@@ -163,9 +161,8 @@ def _operand(q_ring, ready, i, a_layout: gl.constexpr, WG: gl.constexpr, TRANS_Q
 
 
 @gluon.jit
-def _mma(descs, rings, bars, offs, out_args, lora_args, WG: gl.constexpr, TRANS_Q: gl.constexpr,
-         HAS_SCALE: gl.constexpr, HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, BR: gl.constexpr,
-         NWG: gl.constexpr):
+def _mma(rings, bars, offs, out_args, lora_args, WG: gl.constexpr, TRANS_Q: gl.constexpr,
+         HAS_SCALE: gl.constexpr, HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, BR: gl.constexpr):
     """Warpgroup WG: acc[64 weight rows, BM tokens] += widen(q rows) · x_stageᵀ over K; then the epilogue."""
     x_ring, q_ring = rings
     ready, consumed, epi = bars
@@ -212,7 +209,7 @@ def _mma(descs, rings, bars, offs, out_args, lora_args, WG: gl.constexpr, TRANS_
         # the accumulator stays live meanwhile), slot 2 rows WG*64:+64 <- this warpgroup's B tile [64, BR].
         # Both LoRA operands come from shared memory: a register-sourced B tile here makes ptxas serialize
         # every wgmma of the kernel (C7512, insufficient registers).
-        HALF: gl.constexpr = BMc // NWG
+        HALF: gl.constexpr = BMc // 2
         PIECE: gl.constexpr = 32
         h_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[2, 16],
                                              warps_per_cta=[4, 1], order=[1, 0])
@@ -260,7 +257,7 @@ def _lora_gemm_rs_kernel(x_desc, q_desc, y_ptr, sw_ptr, bias_ptr, h_ptr, b_ptr, 
         BNc: gl.constexpr = q_desc.block_type.shape[1]
     else:
         BNc: gl.constexpr = q_desc.block_type.shape[0]
-    NWG: gl.constexpr = BNc // 64                                       # MMA warpgroups, 64 weight rows each
+    gl.static_assert(BNc == 128, "two MMA warpgroups of 64 weight rows")
     off_t, off_w = _tile_offsets(M, N, BMc, BNc, GROUP_M)
     k_tiles = K // BKc
     x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BMc, BKc], x_desc.layout)
@@ -270,20 +267,18 @@ def _lora_gemm_rs_kernel(x_desc, q_desc, y_ptr, sw_ptr, bias_ptr, h_ptr, b_ptr, 
     epi = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(consumed.index(i), count=NWG)
-    mbarrier.init(epi, count=NWG)
+        mbarrier.init(consumed.index(i), count=2)                       # both MMA warpgroups
+    mbarrier.init(epi, count=2)
     fence_async_shared()
-    descs = (x_desc, q_desc)
     rings = (x_ring, q_ring)
-    bars = (ready, consumed, epi)
     offs = (off_t, off_w, k_tiles)
     out_args = (y_ptr, sw_ptr, bias_ptr, M, N)
     lora_args = (h_ptr, b_ptr, stride_hm, stride_bn, stride_br, R)
-    gl.static_assert(NWG == 2, "two MMA warpgroups of 64 weight rows")
+    mma_bars = (ready, consumed, epi)
     gl.warp_specialize([
-        (_mma, (descs, rings, bars, offs, out_args, lora_args, 0, TRANS_Q, HAS_SCALE, HAS_LORA, HAS_BIAS, BR, NWG)),
-        (_mma, (descs, rings, bars, offs, out_args, lora_args, 1, TRANS_Q, HAS_SCALE, HAS_LORA, HAS_BIAS, BR, NWG)),
-        (_loader, (descs, rings, bars, offs, out_args, lora_args, 0, TRANS_Q, HAS_SCALE, HAS_LORA, HAS_BIAS, BR, NWG)),
+        (_mma, (rings, mma_bars, offs, out_args, lora_args, 0, TRANS_Q, HAS_SCALE, HAS_LORA, HAS_BIAS, BR)),
+        (_mma, (rings, mma_bars, offs, out_args, lora_args, 1, TRANS_Q, HAS_SCALE, HAS_LORA, HAS_BIAS, BR)),
+        (_loader, ((x_desc, q_desc), rings, (ready, consumed), offs, TRANS_Q)),
     ], [4, 1], [_MMA_REGS, _LOAD_REGS])
 
 
@@ -294,27 +289,25 @@ def launch_args(x: torch.Tensor, q: torch.Tensor, w_scale, h=None, B=None, bias=
     M, K = x.shape
     N = q.shape[0]
     trans = q.stride(1) != 1
-    bm, bn, stages = BM, BN, STAGES
-    x_desc = TensorDescriptor.from_tensor(x, [bm, BK], gl.NVMMASharedLayout.get_default_for([bm, BK], gl.bfloat16))
-    q_block = [BK, bn] if trans else [bn, BK]
+    x_desc = TensorDescriptor.from_tensor(x, [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16))
+    q_block = [BK, BN] if trans else [BN, BK]
     q_desc = TensorDescriptor.from_tensor(q.t() if trans else q, q_block,       # q.t(): the stored codes [K, N]
                                           gl.NVMMASharedLayout.get_default_for(q_block, gl.float8e4nv))
-    dummy = out
-    has_lora = h is not None
-    if has_lora:
+    if h is not None:
         h2, b2 = h[0], B[0]                                                     # [M, r], [N, r]
         if h2.stride(1) != 1:
             h2 = h2.contiguous()
-        lora = (h2, b2, M, N, K, b2.shape[1], h2.stride(0), b2.stride(0), b2.stride(1))
+        r = b2.shape[1]
+        lora = (h2, b2, r, h2.stride(0), b2.stride(0), b2.stride(1))
     else:
-        lora = (dummy, dummy, M, N, K, 0, 0, 0, 0)
-    args = (x_desc, q_desc, out, w_scale if w_scale is not None else dummy, bias if bias is not None else dummy,
-            lora[0], lora[1], *lora[2:])
-    r = lora[5]
-    kwargs = dict(TRANS_Q=trans, HAS_SCALE=w_scale is not None, HAS_LORA=has_lora, HAS_BIAS=bias is not None,
-                  BR=max(16, triton.next_power_of_2(r)) if has_lora else 16, STAGES=stages, GROUP_M=GROUP_M,
-                  num_warps=4, maxnreg=LAUNCH_REGS)
-    grid = (triton.cdiv(M, bm) * (N // bn),)
+        r = 0
+        lora = (out, out, 0, 0, 0, 0)                                           # unused pointers
+    args = (x_desc, q_desc, out, out if w_scale is None else w_scale, out if bias is None else bias,
+            lora[0], lora[1], M, N, K, *lora[2:])
+    kwargs = dict(TRANS_Q=trans, HAS_SCALE=w_scale is not None, HAS_LORA=h is not None, HAS_BIAS=bias is not None,
+                  BR=max(16, triton.next_power_of_2(r)), STAGES=STAGES, GROUP_M=GROUP_M, num_warps=4,
+                  maxnreg=LAUNCH_REGS)
+    grid = (triton.cdiv(M, BM) * (N // BN),)
     return _lora_gemm_rs_kernel, grid, args, kwargs
 
 
