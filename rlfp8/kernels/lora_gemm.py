@@ -227,9 +227,6 @@ class GemmConfig:
                           # adapter) and tokens sit on the MMA's M side (swap_ab=False); same MMAs, same bits.
                           # Elsewhere x keeps the pointer loads (dispatch records "lora_gemm.x_loads"): with
                           # swap_ab the transposed TMA tile gave wrong results on the H200 under Triton 3.6
-    gluon: bool = False   # W8A16 base GEMM (no LoRA, no metadata) with swap_ab and block_n 64: run this config's
-                          # MMAs in lora_gemm_rs's split-K kernel (warp-specialized, same bits); other calls
-                          # with this config stay on the Triton kernel (dispatch records "lora_gemm.mainloop")
 
     def key(self) -> tuple:
         return tuple(asdict(self).values())
@@ -685,19 +682,6 @@ def _rs_unsupported(x, q, slices, gather, g, lora_precision, use_pdl, out_dtype)
                                   has_g=g is not None)
 
 
-def _rs_split_unsupported(x, q, cfg, has_lora, gather, g, out_dtype) -> str | None:
-    """None when lora_gemm_rs's split-K kernel can run this W8A16 call with config cfg's exact arithmetic."""
-    if not GEMM_RS:
-        return "RLFP8_GEMM_RS=0"
-    if out_dtype != torch.bfloat16:
-        return f"out dtype {out_dtype}"
-    try:
-        from . import lora_gemm_rs
-    except ImportError as e:                    # Triton without Gluon
-        return f"gluon unavailable ({e})"
-    return lora_gemm_rs.split_supported(x, q, cfg, has_lora=has_lora, gather=bool(gather), has_g=g is not None)
-
-
 def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAMeta | None = None, g=None,
                      bias=None, out_dtype=None, out=None, config: GemmConfig | None = None, gather=None,
                      lora_precision: str = "bf16x2", use_pdl: bool = False) -> torch.Tensor:
@@ -729,13 +713,6 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
         raise ValueError(f"rlfp8.kernels.{OP}: config widen must be one of {WIDENINGS}, got {cfg}")
     has_lora = slices is not None and not (meta is not None and meta.no_lora)
     gather = (meta is not None and has_lora) if gather is None else (gather and meta is not None)
-    if mode == "w8a16" and cfg.gluon and not dispatch.triton_interpreting():
-        # decode / short-prefill sizes: the config's split-K program as a warp-specialized Gluon kernel, same bits
-        why = _rs_split_unsupported(x, q, cfg, has_lora, gather, g, out.dtype)
-        dispatch.record(f"{OP}.mainloop", "gluon_rs_split" if why is None else "triton")
-        if why is None:
-            from .lora_gemm_rs import lora_gemm_rs_split
-            return lora_gemm_rs_split(x, q, w_scale, cfg, bias=bias, out=out)
     if mode == "w8a16" and config is None and m_bucket(M) == M_BUCKETS[-1] and not dispatch.triton_interpreting():
         # many tokens (the trainer's steps, long prefills): the Gluon warp-specialized main loop, same bits
         why = _rs_unsupported(x, q, slices if has_lora else None, gather, g, lora_precision, use_pdl, out.dtype)

@@ -48,14 +48,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._triton_utils import launch, split_counters
+from ._triton_utils import launch
 
 OP = "lora_gemm"
 BM, BN, BK, STAGES, GROUP_M = 256, 128, 64, 4, 8     # tokens, weight rows (2 warpgroups x 64), k-step, ring
 MAX_RANK = 64                                         # h hi, h lo and B each take one ring slot's columns
 MMA_REGS, LOAD_REGS, LAUNCH_REGS = 232, 24, 168       # per thread; 384 threads x 168 fit the register file
-# split-K kernel (decode sizes): k-step and ring depth (3 programs of 160 threads x 128 registers per SM)
-SPLIT_BK, SPLIT_STAGES, SPLIT_LAUNCH_REGS = 64, 6, 128
 _MMA_REGS = gl.constexpr(MMA_REGS)
 _LOAD_REGS = gl.constexpr(LOAD_REGS)
 
@@ -118,12 +116,8 @@ def _keep(x):
 
 @gluon.jit
 def _tile_offsets(M, N, TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr):
-    return _grouped_tile(gl.program_id(0), M, N, TM, TN, GROUP_M)
-
-
-@gluon.jit
-def _grouped_tile(pid, M, N, TM: gl.constexpr, TN: gl.constexpr, GROUP_M: gl.constexpr):
     # grouped order: GROUP_M token tiles sweep all weight tiles (x and q tiles stay in L2)
+    pid = gl.program_id(0)
     num_m = gl.cdiv(M, TM)
     num_n = gl.cdiv(N, TN)
     per_group = GROUP_M * num_n
@@ -138,20 +132,19 @@ def _loader(descs, rings, bars, offs, TRANS_Q: gl.constexpr):
     x_desc, q_desc = descs
     x_ring, q_ring = rings
     ready, consumed = bars
-    off_t, off_w, k_first, k_tiles = offs
+    off_t, off_w, k_tiles = offs
     S: gl.constexpr = x_ring.type.shape[0]
     BKc: gl.constexpr = x_ring.type.shape[2]
     nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
     for i in range(k_tiles):
         s = i % S
-        k = (k_first + i) * BKc
         mbarrier.wait(consumed.index(s), ((i // S) & 1) ^ 1)          # fresh barrier: the first lap passes
         mbarrier.expect(ready.index(s), nbytes)
-        tma.async_copy_global_to_shared(x_desc, [off_t, k], ready.index(s), x_ring.index(s))
+        tma.async_copy_global_to_shared(x_desc, [off_t, i * BKc], ready.index(s), x_ring.index(s))
         if TRANS_Q:
-            tma.async_copy_global_to_shared(q_desc, [k, off_w], ready.index(s), q_ring.index(s))
+            tma.async_copy_global_to_shared(q_desc, [i * BKc, off_w], ready.index(s), q_ring.index(s))
         else:
-            tma.async_copy_global_to_shared(q_desc, [off_w, k], ready.index(s), q_ring.index(s))
+            tma.async_copy_global_to_shared(q_desc, [off_w, i * BKc], ready.index(s), q_ring.index(s))
 
 
 @gluon.jit
@@ -168,15 +161,20 @@ def _operand(q_ring, ready, i, a_layout: gl.constexpr, WG: gl.constexpr, TRANS_Q
 
 
 @gluon.jit
-def _mainloop(rings, bars, k_tiles, layout: gl.constexpr, WG: gl.constexpr, TRANS_Q: gl.constexpr):
-    """acc[64 weight rows WG*64:+64, BM tokens] = Σ over the ring's k_tiles steps of widen(q rows) · x_stepᵀ
-    (wgmma k16 chunks in k order, fp32). Two steps per iteration, the first two peeled (module docstring);
-    k_tiles even and >= 2. Each step's slot is released (consumed) once its wgmma retired."""
+def _mma(rings, bars, offs, out_args, lora_args, WG: gl.constexpr, TRANS_Q: gl.constexpr,
+         HAS_SCALE: gl.constexpr, HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, BR: gl.constexpr):
+    """Warpgroup WG: acc[64 weight rows, BM tokens] += widen(q rows) · x_stageᵀ over K; then the epilogue."""
     x_ring, q_ring = rings
-    ready, consumed = bars
+    ready, consumed, epi = bars
+    off_t, off_w, k_tiles = offs
+    y_ptr, sw_ptr, bias_ptr, M, N = out_args
     S: gl.constexpr = x_ring.type.shape[0]
     BMc: gl.constexpr = x_ring.type.shape[1]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BMc, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
+
+    # ---- main loop (module docstring: two steps per iteration, the first two peeled; K % 2·BK == 0)
     a0 = _operand(q_ring, ready, 0, a_layout, WG, TRANS_Q)
     acc = warpgroup_mma(a0, x_ring.index(0).permute((1, 0)), gl.zeros([64, BMc], gl.float32, layout),
                         use_acc=False, is_async=True)
@@ -197,22 +195,6 @@ def _mainloop(rings, bars, k_tiles, layout: gl.constexpr, WG: gl.constexpr, TRAN
         a0 = _keep(a0)
         mbarrier.arrive(consumed.index(i % S))
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    return acc
-
-
-@gluon.jit
-def _mma(rings, bars, offs, out_args, lora_args, WG: gl.constexpr, TRANS_Q: gl.constexpr,
-         HAS_SCALE: gl.constexpr, HAS_LORA: gl.constexpr, HAS_BIAS: gl.constexpr, BR: gl.constexpr):
-    """Warpgroup WG: acc[64 weight rows, BM tokens] += widen(q rows) · x_stageᵀ over K; then the epilogue."""
-    x_ring, q_ring = rings
-    ready, consumed, epi = bars
-    off_t, off_w, k_first, k_tiles = offs
-    y_ptr, sw_ptr, bias_ptr, M, N = out_args
-    BMc: gl.constexpr = x_ring.type.shape[1]
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, BMc, 16])
-    acc = _mainloop(rings, (ready, consumed), k_tiles, layout, WG, TRANS_Q)
-
 
     # ---- epilogue (same operations in the same order as lora_gemm's kernel: identical bits)
     rows = off_w + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))      # output columns [64]
@@ -289,7 +271,7 @@ def _lora_gemm_rs_kernel(x_desc, q_desc, y_ptr, sw_ptr, bias_ptr, h_ptr, b_ptr, 
     mbarrier.init(epi, count=2)
     fence_async_shared()
     rings = (x_ring, q_ring)
-    offs = (off_t, off_w, 0, k_tiles)
+    offs = (off_t, off_w, k_tiles)
     out_args = (y_ptr, sw_ptr, bias_ptr, M, N)
     lora_args = (h_ptr, b_ptr, stride_hm, stride_bn, stride_br, R)
     mma_bars = (ready, consumed, epi)
@@ -334,138 +316,5 @@ def lora_gemm_rs(x, q, w_scale, h=None, B=None, bias=None, out=None) -> torch.Te
     if out is None:
         out = torch.empty((x.shape[0], q.shape[0]), dtype=x.dtype, device=x.device)
     kernel, grid, args, kwargs = launch_args(x, q, w_scale, h, B, bias, out)
-    launch(kernel, grid, *args, **kwargs)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------
-# decode sizes: split-K across programs, one MMA warpgroup per program
-@gluon.jit
-def _split_mma(rings, bars, k_tiles, TRANS_Q: gl.constexpr):
-    """Default partition of the split-K kernel: one warpgroup, the tile's 64 weight rows; returns its partial sum."""
-    BMc: gl.constexpr = rings[0].type.shape[1]
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, BMc, 16])
-    return (_mainloop(rings, bars, k_tiles, layout, 0, TRANS_Q), )       # warp_specialize returns a tuple
-
-
-@gluon.jit
-def _lora_gemm_rs_split_kernel(x_desc, q_desc, y_ptr, sw_ptr, bias_ptr, part_ptr, cnt_ptr, M, N, k_per,
-                               SPLIT: gl.constexpr, HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr,
-                               STAGES: gl.constexpr, GROUP_M: gl.constexpr):
-    """K2's swap-AB W8A16 program for one (tile, split) with 64 weight rows and the config's token tile: the
-    split's k range [pid_k·k_per, +k_per) through the warp-specialized ring (a TMA warp, one MMA warpgroup);
-    the last program of the tile adds the fp32 partials in split order, then scale, bias, one rounding
-    (lora_gemm's kernel: same MMAs, same order, same bits)."""
-    BMc: gl.constexpr = x_desc.block_type.shape[0]
-    BKc: gl.constexpr = x_desc.block_type.shape[1]
-    gl.static_assert(q_desc.block_type.shape[0] == 64, "one MMA warpgroup of 64 weight rows")
-    pid = gl.program_id(0)
-    pid_k = pid % SPLIT                                                 # split index fastest, as K2
-    tile = pid // SPLIT
-    off_t, off_w = _grouped_tile(tile, M, N, BMc, 64, GROUP_M)
-    k_tiles = k_per // BKc
-    x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BMc, BKc], x_desc.layout)
-    q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    consumed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(consumed.index(i), count=1)
-    fence_async_shared()
-    rings = (x_ring, q_ring)
-    bars = (ready, consumed)
-    acc, = gl.warp_specialize([
-        (_split_mma, (rings, bars, k_tiles, False)),
-        (_loader, ((x_desc, q_desc), rings, bars, (off_t, off_w, pid_k * k_tiles, k_tiles), False)),
-    ], [1], [_LOAD_REGS])
-
-    # ---- back in the 4 default warps: split-K reduction (K2's protocol), epilogue
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, BMc, 16])
-    rows = off_w + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))            # output columns [64]
-    if SPLIT > 1:
-        Mp = gl.cdiv(M, BMc) * BMc
-        offs_p = off_t + gl.arange(0, BMc, layout=gl.SliceLayout(0, layout))
-        p_ptrs = part_ptr + rows.to(gl.int64)[:, None] * Mp + offs_p[None, :]       # workspace [SPLIT, N, Mp]
-        part_stride = N.to(gl.int64) * Mp
-        gl.store(p_ptrs + pid_k * part_stride, acc)
-        gl.thread_barrier()
-        done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if done != SPLIT - 1:
-            return
-        acc = gl.load(p_ptrs, cache_modifier=".cg")
-        for s in gl.static_range(1, SPLIT):                                      # all loads in flight, split order
-            acc += gl.load(p_ptrs + s * part_stride, cache_modifier=".cg")
-        gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
-    if HAS_SCALE:
-        acc = acc * gl.load(sw_ptr + rows)[:, None]
-    if HAS_BIAS:
-        acc = acc + gl.load(bias_ptr + rows).to(gl.float32)[:, None]
-    out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, 4],
-                                           order=[0, 1])
-    y = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), out_l)
-    offs_c = off_w + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
-    offs_t = off_t + gl.arange(0, BMc, layout=gl.SliceLayout(0, out_l))
-    gl.store(y_ptr + offs_t[None, :].to(gl.int64) * N + offs_c[:, None], y, mask=(offs_t < M)[None, :])
-
-
-def split_supported(x: torch.Tensor, q: torch.Tensor, cfg, *, has_lora: bool, gather: bool, has_g: bool,
-                    bk: int = SPLIT_BK) -> str | None:
-    """None if the split-K kernel reproduces K2's config `cfg` (GemmConfig) on this call, else why not."""
-    if not x.is_cuda:
-        return "not a CUDA tensor"
-    if x.dtype != torch.bfloat16:
-        return f"x dtype {x.dtype}"
-    if has_lora or gather or has_g:
-        return "LoRA, metadata or DoRA g (base GEMM only)"
-    if not cfg.swap_ab or cfg.block_n != 64 or cfg.block_m not in (16, 32, 64, 128):
-        return f"config {cfg} (needs swap_ab, block_n 64, block_m 16-128)"
-    N, K = q.shape
-    step = cfg.split_k * cfg.block_k
-    if N % 64 or K % step or (K // cfg.split_k) % (2 * bk):
-        return f"shape N={N}, K={K} (needs N % 64 == 0, K % {step} == 0, K / split % {2 * bk} == 0)"
-    if q.stride(1) != 1:
-        return "q is not row-major"
-    if (x.stride(0) * 2) % 16 or x.data_ptr() % 16 or q.data_ptr() % 16 or q.stride(0) % 16:
-        return "x / q not 16-byte aligned for TMA"
-    if _capability(x.device) != (9, 0):
-        return "not sm_90"
-    return None
-
-
-def split_launch_args(x: torch.Tensor, q: torch.Tensor, w_scale, cfg, bias=None, out=None, part=None, cnt=None,
-                      bk: int = SPLIT_BK, stages: int = SPLIT_STAGES, bm: int | None = None):
-    """(kernel, grid, args, kwargs) of one split-K launch (CPU tensors work too). part [split, N, Mp] fp32 and
-    cnt (zeroed int32 tile counters) are needed when cfg.split_k > 1. The token tile bm (default cfg.block_m),
-    bk and the ring depth change no result: only the split's k ranges and the k16 order do."""
-    M, K = x.shape
-    N = q.shape[0]
-    bm = bm or cfg.block_m
-    x_desc = TensorDescriptor.from_tensor(x, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gl.bfloat16))
-    q_desc = TensorDescriptor.from_tensor(q, [64, bk], gl.NVMMASharedLayout.get_default_for([64, bk],
-                                                                                            gl.float8e4nv))
-    part = out if part is None else part
-    cnt = out if cnt is None else cnt
-    args = (x_desc, q_desc, out, out if w_scale is None else w_scale, out if bias is None else bias, part, cnt,
-            M, N, K // cfg.split_k)
-    kwargs = dict(SPLIT=cfg.split_k, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None, STAGES=stages,
-                  GROUP_M=cfg.group_m, num_warps=4, maxnreg=SPLIT_LAUNCH_REGS)
-    grid = (triton.cdiv(M, bm) * (N // 64) * cfg.split_k,)
-    return _lora_gemm_rs_split_kernel, grid, args, kwargs
-
-
-def lora_gemm_rs_split(x, q, w_scale, cfg, bias=None, out=None, bk: int = SPLIT_BK, stages: int = SPLIT_STAGES,
-                       bm: int | None = None) -> torch.Tensor:
-    """Run the split-K kernel (the caller checked `split_supported`); returns out [M, N] (x.dtype)."""
-    M, N = x.shape[0], q.shape[0]
-    bm = bm or cfg.block_m
-    if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    part = cnt = None
-    if cfg.split_k > 1:
-        part = torch.empty((cfg.split_k, N, triton.cdiv(M, bm) * bm), dtype=torch.float32, device=x.device)
-        cnt = split_counters("lora_gemm_rs_split", triton.cdiv(M, bm) * (N // 64), x.device)
-    kernel, grid, args, kwargs = split_launch_args(x, q, w_scale, cfg, bias, out, part, cnt, bk, stages, bm)
     launch(kernel, grid, *args, **kwargs)
     return out
