@@ -405,9 +405,9 @@ def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | Non
             for gm in (2, 4, 16):
                 best = _try_variant(dataclasses.replace(best[1], group_m=gm), best, layer, timer, names, M, mode,
                                     reps, report[key])
-            if not best[1].swap_ab:    # x tiles through TMA too (calls without gathered rows: trainer, base GEMM)
-                best = _try_variant(dataclasses.replace(best[1], x_tma=True), best, layer, timer, names, M, mode,
-                                    reps, report[key])
+            # x tiles through TMA too (calls without gathered rows: trainer, base GEMM)
+            best = _try_variant(dataclasses.replace(best[1], x_tma=True), best, layer, timer, names, M, mode,
+                                reps, report[key])
             if mode == "w8a16":
                 # the exact widenings of W8A16 give the same bits; each is timed on the winner's tiles
                 for wd in [w for w in lg.WIDENINGS if w != best[1].widen]:
@@ -450,7 +450,7 @@ def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | Non
             for change in [dict(group_m=gm) for gm in (2, 4, 16)] + [dict(x_tma=True)] + [
                     dict(widen=w) for w in lg.WIDENINGS]:
                 v = dataclasses.replace(best[1], **change)
-                t = None if v == best[1] or (v.x_tma and v.swap_ab) else time_dx(v, same_bits_as=best[1])
+                t = None if v == best[1] else time_dx(v, same_bits_as=best[1])
                 if t is not None and t < best[0]:
                     best = (t, v)
         if best is not None:
@@ -708,7 +708,9 @@ def main(argv=None):
         if a.tune_keys is not None and path.exists():          # keep the entries that were not retuned
             old = json.loads(path.read_text())
             table = {"gemm": {**old.get("gemm", {}), **table["gemm"]},
-                     "candidates": {**old.get("candidates", {}), **table["candidates"]}}
+                     "candidates": {**old.get("candidates", {}), **table["candidates"]},
+                     # hand edits (with their measurements) of entries the tuner did not redo
+                     "edits": [e for e in old.get("edits", []) if e["key"] not in table["gemm"]]}
         tuned_info = {"path": str(path), "keys": len(table["gemm"])}
         path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
                                     "date": datetime.date.today().isoformat(), **table}, indent=1))

@@ -224,9 +224,9 @@ class GemmConfig:
     widen: str = "bits"   # W8A16 with bf16 x: "bits", "prmt" or "cvt" (see WIDENINGS); same results
     swap_ab: bool = True  # weight rows on wgmma's M side (register-A widening) or tokens (weight tile via smem)
     x_tma: bool = False   # load the x tiles with TMA too, where the rows are not gathered (no metadata or no
-                          # adapter) and tokens sit on the MMA's M side (swap_ab=False); same MMAs, same bits.
-                          # Elsewhere x keeps the pointer loads (dispatch records "lora_gemm.x_loads"): with
-                          # swap_ab the transposed TMA tile gave wrong results on the H200 under Triton 3.6
+                          # adapter); same MMAs, same bits. Gathered rows keep the pointer loads (dispatch
+                          # records "lora_gemm.x_loads"). With swap_ab the tile is transposed in shared memory;
+                          # its wrong results on the H200 were SYNC_A's register race, not the TMA load
 
     def key(self) -> tuple:
         return tuple(asdict(self).values())
@@ -767,7 +767,7 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
                              f"aligned rows, got q {tuple(q.shape)} strides {q.stride()}")
     x_arg, x_tma = x, False
     if cfg.x_tma:
-        if (not gather and not cfg.swap_ab and x.stride(0) * x.element_size() % 16 == 0
+        if (not gather and x.stride(0) * x.element_size() % 16 == 0
                 and x.data_ptr() % 16 == 0):
             from triton.tools.tensor_descriptor import TensorDescriptor
             x_arg, x_tma = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]), True

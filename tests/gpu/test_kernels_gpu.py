@@ -264,12 +264,13 @@ def test_tma_weight_loads(shape, M, r, S, mode):
     assert rel_err(y_tma, ref) < 1e-2
 
 
+@pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
-@pytest.mark.parametrize("M", [1000, 256])
-def test_x_tma_same_bits(mode, M):
-    """x_tma (x tiles via TMA when rows are not gathered; tokens on the MMA's M side) gives the pointer
-    loads' bits: the trainer-style call (no metadata, one adapter), W8A16 and W8A8, ragged and even M."""
-    swap = False
+@pytest.mark.parametrize("M", [1000, 256, 64])
+def test_x_tma_same_bits(mode, M, swap):
+    """x_tma (x tiles via TMA when rows are not gathered) gives the pointer loads' bits in both main-loop
+    orientations (swap_ab: the tile transposed in shared memory; its wrong results before SYNC_A were the
+    register race): the trainer-style call (no metadata, one adapter, bias), W8A16 and W8A8, ragged and even M."""
     x, q, sw, A, B, slots, meta, bias = _case_inputs("qkv", M, 64, 1)
     N, K = q.shape[0], q.shape[1]
     cfg = dataclasses.replace(gemm_config(mode, M, N, K, DEV), swap_ab=swap, w_tma=True)

@@ -88,6 +88,7 @@ def collect() -> list:
                 cfg = dataclasses.replace(gemm_config(mode, M, N, K), w_tma=True)
                 lora_gemm_triton(xx, q, sw, x_scale=xs, config=cfg)
                 lora_gemm_triton(xx, q, sw, x_scale=xs, config=dataclasses.replace(cfg, x_tma=True, swap_ab=False))
+                lora_gemm_triton(xx, q, sw, x_scale=xs, config=dataclasses.replace(cfg, x_tma=True, swap_ab=True))
         # the other main-loop orientation (tokens on the MMA's M side, weight tile through shared memory) with
         # the four-codes-per-register widening, at decode, small-prefill and training sizes, with one adapter
         for M in (16, 64, 2048):

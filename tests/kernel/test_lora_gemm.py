@@ -163,23 +163,21 @@ def test_tma_weight_loads_same_bits(mode, device):
 @pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
 def test_x_tma_same_bits(mode, device):
     """x_tma=True loads the x tiles through a TMA descriptor when rows are not gathered (no metadata: the
-    trainer; ragged M and K: zero padding), and keeps the pointer loads for adapter-sorted rows and in the
-    swap_ab orientation; the dispatch report says which loads ran."""
+    trainer; ragged M and K: zero padding), in both main-loop orientations (swap_ab: the tile transposed in
+    shared memory), and keeps the pointer loads for adapter-sorted rows; the dispatch report says which ran."""
     p = _problem(21, 80, [48, 24], 3, 16, device, mode)
-    cfg = GemmConfig(64, 16, 32, 2, 1, 4, 2, swap_ab=False, w_tma=True)
-    dispatch.reset_report()
-    lora_gemm_triton(p["x"], p["q"], p["sw"], x_scale=p["xs"], config=GemmConfig(64, 16, 32, x_tma=True))
-    assert dispatch.report()["lora_gemm.x_loads"] == {"pointer": 1}          # swap_ab=True: pointer loads
-    dispatch.reset_report()
     h1 = p["h"][:, :, :]
-    for kw in (dict(x_scale=p["xs"], h=h1, B=[b[:1] for b in p["B"]]),           # no metadata: slot 0, TMA
-               dict(x_scale=p["xs"], h=p["h"], B=p["B"], meta=p["meta"])):       # gathered rows: pointers
-        y = lora_gemm_triton(p["x"], p["q"], p["sw"], config=dataclasses.replace(cfg, x_tma=True),
-                             out_dtype=torch.float32, **kw)
-        assert dispatch.report()["lora_gemm.x_loads"] == {"pointer" if "meta" in kw else "tma": 1}
-        dispatch.reset_report()
-        assert torch.equal(y, lora_gemm_triton(p["x"], p["q"], p["sw"], config=cfg, out_dtype=torch.float32, **kw))
-        assert rel_err(y, lora_gemm_ref(p["x"], p["q"], p["sw"], out_dtype=torch.float32, **kw)) < 1e-5
+    for swap in (False, True):
+        cfg = GemmConfig(64, 16, 32, 2, 1, 4, 2, swap_ab=swap, w_tma=True)
+        for kw in (dict(x_scale=p["xs"], h=h1, B=[b[:1] for b in p["B"]]),           # no metadata: slot 0, TMA
+                   dict(x_scale=p["xs"], h=p["h"], B=p["B"], meta=p["meta"])):       # gathered rows: pointers
+            dispatch.reset_report()
+            y = lora_gemm_triton(p["x"], p["q"], p["sw"], config=dataclasses.replace(cfg, x_tma=True),
+                                 out_dtype=torch.float32, **kw)
+            assert dispatch.report()["lora_gemm.x_loads"] == {"pointer" if "meta" in kw else "tma": 1}
+            assert torch.equal(y, lora_gemm_triton(p["x"], p["q"], p["sw"], config=cfg, out_dtype=torch.float32,
+                                                   **kw))
+            assert rel_err(y, lora_gemm_ref(p["x"], p["q"], p["sw"], out_dtype=torch.float32, **kw)) < 1e-5
 
 
 def _dx_problem(device):
