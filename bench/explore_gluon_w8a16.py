@@ -91,6 +91,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E4
 from rlfp8.kernels import lora_gemm_rs  # noqa: E402
 from rlfp8.kernels.lora_gemm_rs import _tile_offsets  # noqa: E402  (grouped tile order, same as the package)
 from rlfp8.kernels._triton_utils import compile_like_jit  # noqa: E402
+from rlfp8.kernels.lora_gemm import E4M3X4_TO_BF16_PTX  # noqa: E402
 
 SHAPES = ((8192, 6144, 4096), (8192, 4096, 4096), (8192, 4096, 12288), (8192, 24576, 4096))   # (M, N out, K in)
 
@@ -144,20 +145,7 @@ def _e4m3x4_to_bf16(codes):
     rlfp8.kernels.lora_gemm._e4m3x4_to_bf16 (see its docstring; bit-identical to a conversion for all 254
     finite codes; the NaN codes 0x7f/0xff come out as +-480, the quantizer never produces them)."""
     return gl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 lo, hi, k;
-        prmt.b32 lo, $2, 0, 0x9180;
-        prmt.b32 hi, $2, 0, 0xB3A2;
-        shl.b32 lo, lo, 4;
-        shl.b32 hi, hi, 4;
-        and.b32 lo, lo, 0x87F087F0;
-        and.b32 hi, hi, 0x87F087F0;
-        mov.b32 k, 0x7B807B80;
-        mul.rn.bf16x2 $0, lo, k;
-        mul.rn.bf16x2 $1, hi, k;
-        }
-        """,
+        asm=E4M3X4_TO_BF16_PTX,
         constraints="=r,=r,r", args=[codes.to(gl.uint8, bitcast=True)], dtype=gl.bfloat16, is_pure=True, pack=4)
 
 

@@ -152,6 +152,34 @@ def _e4m3_to_bf16(w):
         constraints="=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=2)
 
 
+# The PRMT widenings' PTX (_e4m3x4_to_bf16: four codes per 32-bit register, two bf16x2 outputs;
+# _e4m3x2_to_bf16: two codes): also the text of lora_gemm_rs's and bench/explore_gluon_w8a16.py's Gluon copies.
+E4M3X4_TO_BF16_PTX = tl.constexpr("""
+        {
+        .reg .b32 lo, hi, k;
+        prmt.b32 lo, $2, 0, 0x9180;
+        prmt.b32 hi, $2, 0, 0xB3A2;
+        shl.b32 lo, lo, 4;
+        shl.b32 hi, hi, 4;
+        and.b32 lo, lo, 0x87F087F0;
+        and.b32 hi, hi, 0x87F087F0;
+        mov.b32 k, 0x7B807B80;
+        mul.rn.bf16x2 $0, lo, k;
+        mul.rn.bf16x2 $1, hi, k;
+        }
+""")
+E4M3X2_TO_BF16_PTX = tl.constexpr("""
+        {
+        .reg .b32 t, k;
+        prmt.b32 t, $1, 0, 0x9180;
+        shl.b32 t, t, 4;
+        and.b32 t, t, 0x87F087F0;
+        mov.b32 k, 0x7B807B80;
+        mul.rn.bf16x2 $0, t, k;
+        }
+""")
+
+
 @triton.jit
 def _e4m3x4_to_bf16(w):
     """Exact e4m3 -> bf16 widening, four codes per 32-bit register (compiled GPU code only: inline PTX).
@@ -166,20 +194,7 @@ def _e4m3x4_to_bf16(w):
     all 254 finite codes (tests/kernel/test_widen.py emulates it per byte; the GPU tests compare the paths);
     the NaN codes 0x7f/0xff come out as +-480."""
     return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 lo, hi, k;
-        prmt.b32 lo, $2, 0, 0x9180;
-        prmt.b32 hi, $2, 0, 0xB3A2;
-        shl.b32 lo, lo, 4;
-        shl.b32 hi, hi, 4;
-        and.b32 lo, lo, 0x87F087F0;
-        and.b32 hi, hi, 0x87F087F0;
-        mov.b32 k, 0x7B807B80;
-        mul.rn.bf16x2 $0, lo, k;
-        mul.rn.bf16x2 $1, hi, k;
-        }
-        """,
+        asm=E4M3X4_TO_BF16_PTX,
         constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
 
 
@@ -196,16 +211,7 @@ def _e4m3x2_to_bf16(w):
     register-operand layout gives each thread pairs of codes (one 16-bit load each). One PRMT (only bytes
     0 and 1 are read), SHL, LOP3 and HMUL2 per pair, against five instructions for _e4m3_to_bf16."""
     return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t, k;
-        prmt.b32 t, $1, 0, 0x9180;
-        shl.b32 t, t, 4;
-        and.b32 t, t, 0x87F087F0;
-        mov.b32 k, 0x7B807B80;
-        mul.rn.bf16x2 $0, t, k;
-        }
-        """,
+        asm=E4M3X2_TO_BF16_PTX,
         constraints="=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=2)
 
 

@@ -35,8 +35,9 @@ Triton loop; with them the training linear's forward+backward is 0.96-1.03x PEFT
 
 Limits (the caller, lora_gemm_triton, routes everything else to the Triton kernel and records which ran):
 bf16 x, one adapter without metadata (the trainer; no gather, no DoRA g), rank <= 64, K % 128 == 0,
-N % 128 == 0, sm_90, more than 512 tokens (below, decode-size variants were slower than the Triton kernel). Gluon kernels do not run under TRITON_INTERPRET: the CPU tests compile this one for
-sm_90a (ptxas) and check the protocol; the numerics are GPU tests against the reference and against K2.
+N % 128 == 0, sm_90, more than 512 tokens (below, decode-size variants were slower than the Triton kernel).
+Gluon kernels do not run under TRITON_INTERPRET: the CPU tests compile this one for sm_90a (ptxas) and check
+the protocol; the numerics are GPU tests against the reference and against K2.
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._triton_utils import launch
+from .lora_gemm import E4M3X2_TO_BF16_PTX
 
 OP = "lora_gemm"
 BM, BN, BK, STAGES, GROUP_M = 256, 128, 64, 4, 8     # tokens, weight rows (2 warpgroups x 64), k-step, ring
@@ -94,16 +96,7 @@ def _e4m3x2_to_bf16(codes):
     """Exact e4m3 -> bf16 on two codes per 32-bit register (the A fragment's k-pairs): byte and sign spread
     (PRMT), exponent/mantissa moved into bf16's fields, times 2^120 (bias 127 - 7); lora_gemm._e4m3x2_to_bf16."""
     return gl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t, k;
-        prmt.b32 t, $1, 0, 0x9180;
-        shl.b32 t, t, 4;
-        and.b32 t, t, 0x87F087F0;
-        mov.b32 k, 0x7B807B80;
-        mul.rn.bf16x2 $0, t, k;
-        }
-        """,
+        asm=E4M3X2_TO_BF16_PTX,
         constraints="=r,r", args=[codes.to(gl.uint8, bitcast=True)], dtype=gl.bfloat16, is_pure=True, pack=2)
 
 

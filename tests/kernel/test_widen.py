@@ -93,7 +93,7 @@ def test_prmt_trick_is_exact_for_every_finite_code():
 
 def test_prmt_asm_text_matches_the_emulated_steps():
     fn = lora_gemm._e4m3x4_to_bf16
-    src = inspect.getsource(getattr(fn, "fn", fn))
+    src = inspect.getsource(getattr(fn, "fn", fn)) + lora_gemm.E4M3X4_TO_BF16_PTX.value   # the asm text it passes
     steps = ["prmt.b32 lo, $2, 0, 0x9180", "prmt.b32 hi, $2, 0, 0xB3A2", "shl.b32 lo, lo, 4", "shl.b32 hi, hi, 4",
              "and.b32 lo, lo, 0x87F087F0", "and.b32 hi, hi, 0x87F087F0", "mov.b32 k, 0x7B807B80",
              "mul.rn.bf16x2 $0, lo, k", "mul.rn.bf16x2 $1, hi, k"]
@@ -107,7 +107,7 @@ def test_prmt_pair_variant_is_the_same_arithmetic():
     """_e4m3x2_to_bf16 (two codes per call, swap_ab loop) runs the low-pair steps of _e4m3x4_to_bf16; its
     input register holds the two codes in bytes 0 and 1 (bytes 2 and 3 are never read by selector 0x9180)."""
     fn = lora_gemm._e4m3x2_to_bf16
-    src = inspect.getsource(getattr(fn, "fn", fn))
+    src = inspect.getsource(getattr(fn, "fn", fn)) + lora_gemm.E4M3X2_TO_BF16_PTX.value
     steps = ["prmt.b32 t, $1, 0, 0x9180", "shl.b32 t, t, 4", "and.b32 t, t, 0x87F087F0", "mov.b32 k, 0x7B807B80",
              "mul.rn.bf16x2 $0, t, k"]
     pos = [src.find(s) for s in steps]
