@@ -126,7 +126,8 @@ def split_counters(tag: str, n: int, device: torch.device) -> torch.Tensor:
     """Zeroed int32 tile counters for the split-K "last program reduces" protocol. The kernels reset every
     counter they use back to 0, so one buffer per (op, device) serves all later launches and CUDA-graph
     replays. Call the op once before graph capture (as vLLM's warm-up does); a buffer first needed during
-    capture is allocated inside the graph (its memset is captured) and not cached."""
+    capture is allocated inside the graph (its memset is captured) and not cached. A larger request replaces
+    the cached buffer; the replaced one is kept alive for graphs captured with it."""
     key = (tag, torch.device(device))
     buf = _counter_cache.get(key)
     if buf is not None and buf.numel() >= n:
@@ -134,8 +135,18 @@ def split_counters(tag: str, n: int, device: torch.device) -> torch.Tensor:
     capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
     buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
     if not capturing:
+        _retire(_counter_cache.get(key))
         _counter_cache[key] = buf
     return buf
+
+
+_retired: list[torch.Tensor] = []
+
+
+def _retire(buf: torch.Tensor | None) -> None:
+    """Keep a replaced buffer alive: CUDA graphs captured earlier still address it."""
+    if buf is not None:
+        _retired.append(buf)
 
 
 def stacked_view(op: str, name: str, t: torch.Tensor, inner: int) -> torch.Tensor:

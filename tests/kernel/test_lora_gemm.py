@@ -228,3 +228,26 @@ def test_transposed_codes_no_scale(cfg, device):
     yref = lora_gemm_ref(gy, q.t(), None, **kw)
     assert rel_err(y, yref) < 1e-5
     assert rel_err(y, gy.double() @ q.double() + dh[0].double() @ A_c.double()) < 1e-5
+
+
+def test_split_counters_grow_and_keep_the_replaced_buffer_alive():
+    """A larger request replaces the cached counter buffer; the old one stays referenced, since a CUDA graph
+    captured with it still writes it on replay (freed, its memory could back another tensor)."""
+    from rlfp8.kernels import _triton_utils as tu
+    dev = torch.device("cpu")
+    small = tu.split_counters("test_grow", 10, dev)
+    assert small.numel() >= 10 and torch.all(small == 0)
+    assert tu.split_counters("test_grow", 10, dev) is small                 # cached
+    big = tu.split_counters("test_grow", small.numel() + 1, dev)
+    assert big is not small and big.numel() > small.numel() and torch.all(big == 0)
+    assert any(b is small for b in tu._retired)
+    assert tu.split_counters("test_grow", 10, dev) is big
+
+
+def test_explore_k2_decode_edits_still_apply():
+    """bench/explore_k2_decode.py measures copies of this kernel with one textual edit each; every edit must
+    still apply to the current source (the script refuses to run otherwise) and give valid Python."""
+    import ast
+    from bench.explore_k2_decode import ARMS, variant_source
+    for arm in ARMS + ("timed",):
+        ast.parse(variant_source(arm))

@@ -1,0 +1,89 @@
+#!/usr/bin/env python
+"""A/B check of a K2 change: the working tree's rlfp8/kernels/lora_gemm.py ("new") against another version of
+the file ("old", e.g. the last commit's), on every Qwen3-8B projection and token count whose tuned config
+uses split-K (the configs both versions take from the same tuned table), both modes:
+  * same_bits: new == old output (a change meant to keep the arithmetic must keep the bits);
+  * repeat_same: 20 repeated new calls give identical outputs (determinism);
+  * new_us / old_us: median of --reps CUDA-graph replays, the two graphs replayed in turn, L2 flushed.
+The split-K protocol variants in bench/results/explore_k2_splitk_variants_h200.json were measured this way.
+
+    git show HEAD:rlfp8/kernels/lora_gemm.py > /tmp/lora_gemm_old.py
+    python bench/k2_ab.py --old-src /tmp/lora_gemm_old.py --out /tmp/k2_ab.json          # H200, ~20 s
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+PROJ = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+TOKENS = (1, 4, 16, 64, 256)
+
+
+def load_copy(src_path: str, name: str = "k2_old"):
+    """Import a lora_gemm.py version as a stand-alone module (package-relative imports made absolute)."""
+    src = Path(src_path).read_text()
+    for m in ("dispatch", "_triton_utils", "fp8", "lora_shrink", "metadata"):
+        src = src.replace(f"from .{m} import", f"from rlfp8.kernels.{m} import")
+    src = src.replace("from . import dispatch", "from rlfp8.kernels import dispatch")
+    path = Path(tempfile.mkdtemp(prefix="k2_ab_")) / f"{name}.py"
+    path.write_text(src)                  # Triton's JIT reads kernel source from the file
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--old-src", required=True, help="the other lora_gemm.py (e.g. git show HEAD:... > file)")
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("k2_ab: needs a GPU")
+    from bench.kernels import Timer
+    from rlfp8.kernels import lora_gemm as lg
+    from rlfp8.kernels.fp8_triton import quantize_activation_triton, quantize_weight_triton
+    old = load_copy(a.old_src)
+    timer = Timer(a.reps)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for proj, (N, K) in PROJ.items():
+        q, sw = quantize_weight_triton(torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * .02)
+        for M in TOKENS:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
+            xq, xs = quantize_activation_triton(x)
+            for mode in ("w8a16", "w8a8"):
+                cfg = lg.gemm_config(mode, M, N, K, "cuda")
+                if cfg.split_k == 1:
+                    continue
+                old_cfg = old.GemmConfig(**dataclasses.asdict(cfg))
+                args, kw = ((x, q, sw), {}) if mode == "w8a16" else ((xq, q, sw), dict(x_scale=xs))
+                fn_new = lambda: lg.lora_gemm_triton(*args, config=cfg, **kw)           # noqa: E731
+                fn_old = lambda: old.lora_gemm_triton(*args, config=old_cfg, **kw)      # noqa: E731
+                y_new = fn_new()
+                same = torch.equal(fn_old(), y_new)
+                repeat = all(torch.equal(fn_new(), y_new) for _ in range(20))
+                t_new, t_old = timer.paired_us([fn_new, fn_old])
+                r = dict(proj=proj, M=M, mode=mode, split_k=cfg.split_k, new_us=round(t_new, 2),
+                         old_us=round(t_old, 2), ratio=round(t_new / t_old, 3), same_bits=same, repeat_same=repeat)
+                print(r, flush=True)
+                rows.append(r)
+    if a.out:
+        Path(a.out).write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                                               command=" ".join(sys.argv), rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
