@@ -18,6 +18,9 @@ else), run with the tuned W8A16 config of each Qwen3-8B projection at 64 tokens:
      kint     split-K programs take interleaved k-steps (s, s + S, ...) instead of contiguous ranges, so the
               S programs of a tile stream each weight row together (correct, other rounding)
      pf2      an L2 prefetch (prefetch.global.L2) of each weight row 2 k-steps ahead (correct, same bits)
+     nofence  the split-K counter atomic relaxed instead of acq_rel: what the fence costs (unsafe ordering)
+     noexchange  no split-K exchange at all: the tile's last split runs the epilogue on its own partial
+              (no partial stores, atomics or reloads): what the exchange costs (wrong results)
 2. Timeline: %clock64 per program at its start, at each main-loop iteration, after the loop, before and after
    the split-K counter atomic, at its end, and %globaltimer at start and end (one launch after an L2 flush,
    several repeats), for the W8A16 and W8A8 configs: loop time, per-iteration time, the split-K arrival and
@@ -47,7 +50,7 @@ import triton  # noqa: E402
 SRC = ROOT / "rlfp8" / "kernels" / "lora_gemm.py"
 PROJ = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 M_TOKENS = 64
-ARMS = ("orig", "xonce", "wonce", "nowiden", "wsame", "kint", "pf2")
+ARMS = ("orig", "xonce", "wonce", "nowiden", "wsame", "kint", "pf2", "nofence", "noexchange")
 MAX_ITERS = 64                      # timeline slots per program for main-loop iterations
 
 LOOP = "    for k in range(k_lo, k_hi, BLOCK_K):\n"
@@ -136,6 +139,13 @@ def variant_source(arm: str) -> str:
                            "    for p in tl.static_range(2):\n"
                            "        _pf(pf_rows + tl.minimum(k_lo + p * BLOCK_K, k_hi - BLOCK_K))\n" + LOOP +
                   "        _pf(pf_rows + tl.minimum(k + 2 * BLOCK_K, k_hi - BLOCK_K))\n")
+    elif arm == "nofence":
+        s = _edit(s, ATOMIC, ATOMIC.replace('sem="acq_rel"', 'sem="relaxed"'))
+    elif arm == "noexchange":
+        i = s.index(SPLIT_HEAD)
+        end = '        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")\n'
+        j = s.index(end, i) + len(end)
+        s = s[:i] + SPLIT_HEAD + "    if SPLIT_K > 1:\n        if pid_k != SPLIT_K - 1:\n            return\n" + s[j:]
     elif arm == "timed":
         s = _edit(s, SIG_TAIL, "    part_ptr, cnt_ptr, tbuf_ptr, it_off,\n    M, N, K, R, end0, end1,")
         s = _edit(s, LAUNCH_TAIL, "part, cnt, TBUF, TBUF_ITERS_AT,\n           M, N, K, r,")
