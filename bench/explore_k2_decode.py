@@ -21,6 +21,9 @@ else), run with the tuned W8A16 config of each Qwen3-8B projection at 64 tokens:
      nofence  the split-K counter atomic relaxed instead of acq_rel: what the fence costs (unsafe ordering)
      noexchange  no split-K exchange at all: the tile's last split runs the epilogue on its own partial
               (no partial stores, atomics or reloads): what the exchange costs (wrong results)
+     nostore / noreload / noatomic  one part of the exchange removed: the partial stores; the reducer's
+              reloads (it keeps its own partial); the counter atomic (split S-1 reduces without waiting)
+              (wrong results)
 2. Timeline: %clock64 per program at its start, at each main-loop iteration, after the loop, before and after
    the split-K counter atomic, at its end, and %globaltimer at start and end (one launch after an L2 flush,
    several repeats), for the W8A16 and W8A8 configs: loop time, per-iteration time, the split-K arrival and
@@ -50,7 +53,8 @@ import triton  # noqa: E402
 SRC = ROOT / "rlfp8" / "kernels" / "lora_gemm.py"
 PROJ = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 M_TOKENS = 64
-ARMS = ("orig", "xonce", "wonce", "nowiden", "wsame", "kint", "pf2", "nofence", "noexchange")
+ARMS = ("orig", "xonce", "wonce", "nowiden", "wsame", "kint", "pf2", "nofence", "noexchange", "nostore",
+        "noreload", "noatomic")
 MAX_ITERS = 64                      # timeline slots per program for main-loop iterations
 
 LOOP = "    for k in range(k_lo, k_hi, BLOCK_K):\n"
@@ -146,6 +150,16 @@ def variant_source(arm: str) -> str:
         end = '        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")\n'
         j = s.index(end, i) + len(end)
         s = s[:i] + SPLIT_HEAD + "    if SPLIT_K > 1:\n        if pid_k != SPLIT_K - 1:\n            return\n" + s[j:]
+    elif arm == "nostore":
+        s = _edit(s, "        tl.store(p_ptrs + pid_k * part_stride, acc)\n", "")
+        # the reducer adds the reloads to its own partial, or the main loop would be dead code
+        s = _edit(s, '        acc = tl.load(p_ptrs, cache_modifier=".cg")\n', '        acc += tl.load(p_ptrs, cache_modifier=".cg")\n')
+    elif arm == "noreload":
+        i = s.index('        acc = tl.load(p_ptrs, cache_modifier=".cg")\n')
+        j = s.index('        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")\n', i)
+        s = s[:i] + s[j:]
+    elif arm == "noatomic":
+        s = _edit(s, ATOMIC + NOT_LAST, "        if pid_k != SPLIT_K - 1:\n            return\n")
     elif arm == "timed":
         s = _edit(s, SIG_TAIL, "    part_ptr, cnt_ptr, tbuf_ptr, it_off,\n    M, N, K, R, end0, end1,")
         s = _edit(s, LAUNCH_TAIL, "part, cnt, TBUF, TBUF_ITERS_AT,\n           M, N, K, r,")
