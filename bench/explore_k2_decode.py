@@ -64,6 +64,7 @@ PRMT_X2 = 'E4M3X2_TO_BF16_PTX = tl.constexpr("""'
 SPLIT_HEAD = "    # ---- split-K: the last program of the tile reduces the partials in split order\n"
 ATOMIC = '        tl.debug_barrier()\n        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")\n'
 NOT_LAST = "        if done != SPLIT_K - 1:\n            return\n"
+RESET = '        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")\n'
 STORE_Y = "    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])\n"
 SIG_TAIL = "    part_ptr, cnt_ptr,\n    M, N, K, R, end0, end1,"
 LAUNCH_TAIL = "part, cnt,\n           M, N, K, r,"
@@ -82,8 +83,8 @@ def _sreg32(p, name: tl.constexpr):
 
 
 @triton.jit
-def _rec(t, pid, smid, g0, c0, c1, ca, c2, c3, last):
-    b = t + pid * 10
+def _rec(t, pid, smid, g0, c0, c1, ca, c2, c3, last, r2):
+    b = t + pid * 12
     tl.store(b + 0, smid.to(tl.int64))
     tl.store(b + 1, g0)
     tl.store(b + 2, c0)
@@ -93,6 +94,13 @@ def _rec(t, pid, smid, g0, c0, c1, ca, c2, c3, last):
     tl.store(b + 6, c3)
     tl.store(b + 7, _sreg64(pid, "%globaltimer"))
     tl.store(b + 8, last + 0 * pid.to(tl.int64))
+    tl.store(b + 9, r2)
+
+
+@triton.jit
+def _clock_after(pid, x):
+    """%clock64 read once every element of x is in registers (a CTA-wide sum it depends on: ~200 cycles)."""
+    return _sreg64(pid + tl.where(tl.sum(tl.sum(x, 1), 0) == 1.2345e30, 1, 0), "%clock64")
 
 
 @triton.jit
@@ -167,13 +175,17 @@ def variant_source(arm: str) -> str:
                   "    g0 = _sreg64(pid, \"%globaltimer\")\n    c0 = _sreg64(pid, \"%clock64\")\n")
         s = _edit(s, LOOP, "    it = 0\n" + LOOP + "        tl.store(tbuf_ptr + it_off + pid * MAX_ITERS + it, "
                   "_sreg64(pid, \"%clock64\"), mask=it < MAX_ITERS)\n        it += 1\n")
-        s = _edit(s, SPLIT_HEAD, "    c1 = _sreg64(pid, \"%clock64\")\n    ca = c1\n    c2 = c1\n" + SPLIT_HEAD)
+        s = _edit(s, SPLIT_HEAD, "    c1 = _sreg64(pid, \"%clock64\")\n    ca = c1\n    c2 = c1\n    r2 = c1\n"
+                  + SPLIT_HEAD)
+        # the reducer: clock once all partials are in (reading it after the first one would serialize the
+        # loads, which the compiler otherwise issues together)
+        s = _edit(s, RESET, "        r2 = _clock_after(pid, acc)\n" + RESET)
         s = _edit(s, ATOMIC, "        tl.debug_barrier()\n        ca = _sreg64(pid, \"%clock64\")\n"
                   "        done = tl.atomic_add(cnt_ptr + tile, 1, sem=\"acq_rel\", scope=\"gpu\")\n"
                   "        c2 = _sreg64(pid, \"%clock64\")\n")
         s = _edit(s, NOT_LAST, "        if done != SPLIT_K - 1:\n"
-                  "            _rec(tbuf_ptr, pid, smid, g0, c0, c1, ca, c2, c2, 0)\n            return\n")
-        s = _edit(s, STORE_Y, STORE_Y + "    _rec(tbuf_ptr, pid, smid, g0, c0, c1, ca, c2, _sreg64(pid, \"%clock64\"), 1)\n")
+                  "            _rec(tbuf_ptr, pid, smid, g0, c0, c1, ca, c2, c2, 0, c2)\n            return\n")
+        s = _edit(s, STORE_Y, STORE_Y + "    _rec(tbuf_ptr, pid, smid, g0, c0, c1, ca, c2, _sreg64(pid, \"%clock64\"), 1, r2)\n")
         s += f"\nMAX_ITERS = tl.constexpr({MAX_ITERS})\nTBUF = None\nTBUF_ITERS_AT = 0\n"
     elif arm != "orig":
         raise ValueError(arm)
@@ -283,8 +295,8 @@ def timeline(repeats: int = 5) -> dict:
         for mode in ("w8a16", "w8a8"):
             cfg = mod.GemmConfig(**dataclasses.asdict(lg.gemm_config(mode, M_TOKENS, N, K, "cuda")))
             grid = -(-M_TOKENS // cfg.block_m) * -(-N // cfg.block_n) * cfg.split_k
-            mod.TBUF = torch.zeros(grid * (10 + MAX_ITERS), dtype=torch.int64, device="cuda")
-            mod.TBUF_ITERS_AT = grid * 10
+            mod.TBUF = torch.zeros(grid * (12 + MAX_ITERS), dtype=torch.int64, device="cuda")
+            mod.TBUF_ITERS_AT = grid * 12
             args = (x, q, sw) if mode == "w8a16" else (xq, q, sw)
             kw = {} if mode == "w8a16" else dict(x_scale=xs)
             ref = lg.lora_gemm_triton(*args, **kw)
@@ -298,10 +310,10 @@ def timeline(repeats: int = 5) -> dict:
                 torch.cuda.synchronize()
                 assert torch.equal(y, ref), "the timed copy must give the package kernel's bits"
                 t = mod.TBUF.cpu().numpy()
-                runs.append((t[:grid * 10].reshape(grid, 10).copy(), t[grid * 10:].reshape(grid, MAX_ITERS).copy()))
+                runs.append((t[:grid * 12].reshape(grid, 12).copy(), t[grid * 12:].reshape(grid, MAX_ITERS).copy()))
             summ = []
             for rec, its in runs[1:]:
-                smid, g0, c0, c1, ca, c2, c3, gend, last = rec[:, :9].T
+                smid, g0, c0, c1, ca, c2, c3, gend, last, r2 = rec[:, :10].T
                 base = g0.min()
                 f_hz = float(np.median((c3 - c0) / ((gend - g0) * 1e-9)))     # SM clock, from the two counters
                 n_it = int((its[0] != 0).sum())
@@ -317,11 +329,14 @@ def timeline(repeats: int = 5) -> dict:
                                  iteration_cycles_p90=np.percentile(d_it, 90, axis=0).round(0).tolist(),
                                  store_cycles=_pct(ca - c1), atomic_cycles=_pct(c2 - ca),
                                  reduce_epilogue_cycles_reducer=_pct((c3 - c2)[last == 1]),
+                                 reload_cycles_reducer=_pct((r2 - c2)[last == 1]),
+                                 epilogue_cycles_reducer=_pct((c3 - r2)[last == 1]),
                                  tile_tail_us=_pct(tail), programs_per_sm=np.bincount(np.bincount(smid.astype(int))).tolist()))
             out[f"{proj}_{mode}"] = dict(config=dataclasses.asdict(cfg), grid=grid, runs=summ)
             s = summ[-1]
             print(f"{proj} {mode}: end {s['kernel_end_us']} us, last loop end {s['last_loop_end_us']} us, tile tail "
-                  f"{s['tile_tail_us']} us, loop {s['loop_cycles']} cyc, per iteration {s['iteration_cycles_median']}",
+                  f"{s['tile_tail_us']} us, loop {s['loop_cycles']} cyc, per iteration {s['iteration_cycles_median']}, "
+                  f"reducer: reloads {s['reload_cycles_reducer']}, epilogue {s['epilogue_cycles_reducer']} cyc",
                   flush=True)
     return out
 
