@@ -37,10 +37,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.util
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -120,10 +118,8 @@ def _edit(src: str, old: str, new: str) -> str:
 
 def variant_source(arm: str) -> str:
     """lora_gemm.py as an importable stand-alone module, with the arm's edit ("timed": the timeline)."""
-    s = SRC.read_text()
-    for m in ("dispatch", "_triton_utils", "fp8", "lora_shrink", "metadata"):
-        s = s.replace(f"from .{m} import", f"from rlfp8.kernels.{m} import")
-    s = s.replace("from . import dispatch", "from rlfp8.kernels import dispatch")
+    from bench.k2_ab import standalone_source
+    s = standalone_source(SRC.read_text())
     s = _edit(s, KEEP_DEF, HELPERS + KEEP_DEF)
     if arm == "xonce":
         s = _edit(s, LOOP, "    if X_TMA:\n        xt0 = x_ptr.load([pid_m * BLOCK_M, k_lo])\n" + LOOP)
@@ -192,21 +188,10 @@ def variant_source(arm: str) -> str:
     return s
 
 
-_TMP: list[Path] = []
-
-
 def load_variant(arm: str):
-    """Import the arm's copy (Triton's JIT reads the kernel source from the file)."""
-    if not _TMP:
-        _TMP.append(Path(tempfile.mkdtemp(prefix="explore_k2_")))
-    name = f"k2_{arm}"
-    path = _TMP[0] / f"{name}.py"
-    path.write_text(variant_source(arm))
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    """Import the arm's copy of the kernel module."""
+    from bench.k2_ab import import_source
+    return import_source(variant_source(arm), f"k2_{arm}")
 
 
 # ------------------------------------------------------------------------------------------------ CPU: compile

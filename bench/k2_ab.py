@@ -29,19 +29,27 @@ PROJ = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down"
 TOKENS = (1, 4, 16, 64, 256)
 
 
-def load_copy(src_path: str, name: str = "k2_old"):
-    """Import a lora_gemm.py version as a stand-alone module (package-relative imports made absolute)."""
-    src = Path(src_path).read_text()
+def standalone_source(src: str) -> str:
+    """lora_gemm.py's text with its package-relative imports made absolute, importable from any file."""
     for m in ("dispatch", "_triton_utils", "fp8", "lora_shrink", "metadata"):
         src = src.replace(f"from .{m} import", f"from rlfp8.kernels.{m} import")
-    src = src.replace("from . import dispatch", "from rlfp8.kernels import dispatch")
-    path = Path(tempfile.mkdtemp(prefix="k2_ab_")) / f"{name}.py"
-    path.write_text(src)                  # Triton's JIT reads kernel source from the file
+    return src.replace("from . import dispatch", "from rlfp8.kernels import dispatch")
+
+
+def import_source(src: str, name: str):
+    """Import module text as `name` from a temporary file (Triton's JIT reads kernel source from the file)."""
+    path = Path(tempfile.mkdtemp(prefix="k2_copy_")) / f"{name}.py"
+    path.write_text(src)
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_copy(src_path: str, name: str = "k2_old"):
+    """Import another version of lora_gemm.py as a stand-alone module."""
+    return import_source(standalone_source(Path(src_path).read_text()), name)
 
 
 def main():
