@@ -22,42 +22,16 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
-def launch(kernel, grid, *args, cluster: tuple[int, int] | None = None, **kwargs):
+def launch(kernel, grid, *args, **kwargs):
     """kernel[grid](*args, **kwargs), or record the call while `collect_launches()` is active.
 
-    launch_pdl is dropped unless it is True: the interpreter ignores it and on GPU it is only needed on.
-    cluster=(n, smem_bytes): launch n CTAs per program as one thread-block cluster along x (grid[0] * n CTAs,
-    CTA i of the grid = rank i % n of cluster i // n), for a kernel compiled as a single-CTA program that
-    talks to its cluster's other CTAs itself; it needs >= smem_bytes of dynamic shared memory."""
+    launch_pdl is dropped unless it is True: the interpreter ignores it and on GPU it is only needed on."""
     if kwargs.get("launch_pdl") is False:
         kwargs.pop("launch_pdl")
     if _collector is not None:
         _collector.append((kernel, tuple(grid), args, dict(kwargs)))
         return None
-    if cluster is not None:
-        _as_cluster_kernel(kernel.run(*args, grid=tuple(grid), warmup=True, **kwargs), *cluster)
     return kernel[tuple(grid)](*args, **kwargs)
-
-
-def _as_cluster_kernel(ck, n: int, smem_bytes: int) -> None:
-    """Make the JIT's cached CompiledKernel launch as clusters of n CTAs. Triton's launcher multiplies grid x
-    by the packed num_ctas and sets the cluster dimension from it; the kernel is compiled with num_ctas=1
-    (no CTA-split layouts), so only the launch changes."""
-    if hasattr(ck, "result"):                                   # an async-compile future
-        ck = ck.result()
-    nw, nctas, shared = ck.packed_metadata
-    if nctas == n:
-        return
-    if nctas != 1 or ck.metadata.num_ctas != 1:
-        raise RuntimeError(f"rlfp8.kernels: {ck.name} is already launched as {nctas} CTAs per program, "
-                           f"cannot relaunch as clusters of {n}")
-    if shared < smem_bytes:
-        raise RuntimeError(f"rlfp8.kernels: {ck.name} has {shared} B of dynamic shared memory, its cluster "
-                           f"exchange needs {smem_bytes} B")
-    if getattr(ck.metadata, "global_scratch_size", 0) or getattr(ck.metadata, "profile_scratch_size", 0):
-        raise RuntimeError(f"rlfp8.kernels: {ck.name} uses global scratch, sized per program by the launcher; "
-                           "cannot relaunch as clusters")
-    ck.packed_metadata = (nw, n, shared)
 
 
 @contextmanager

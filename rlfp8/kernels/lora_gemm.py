@@ -215,70 +215,6 @@ def _e4m3x2_to_bf16(w):
         constraints="=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=2)
 
 
-# ---- split-K through distributed shared memory (SPLIT_CLUSTER): the tile's SPLIT_K programs run as one
-# thread-block cluster (the host launches them so, cluster rank = pid % SPLIT_K). Plain Triton has no
-# shared-memory allocation to name, so the partial goes to the start of the kernel's dynamic shared memory
-# (`global_smem`), dead after the main loop: the host checks the kernel has enough of it.
-_DSMEM_PAD = tl.constexpr(4)     # fp32 words of padding per tile row: the accumulator's rows hit other banks
-
-
-@triton.jit
-def _smem_base(x):
-    """Shared-window address of this CTA's dynamic shared memory (x: any scalar, orders the call)."""
-    return tl.inline_asm_elementwise("mov.u32 $0, global_smem;", constraints="=r,r", args=[x], dtype=tl.int32,
-                                     is_pure=True, pack=1)
-
-
-@triton.jit
-def _dsmem_base(x, rank):
-    """The same address in CTA `rank` of this cluster (mapa), for ld.shared::cluster."""
-    return tl.inline_asm_elementwise("mapa.shared::cluster.u32 $0, $1, $2;", constraints="=r,r,r",
-                                     args=[x, rank], dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _st_shared_f32(addr, v):
-    return tl.inline_asm_elementwise("st.shared.f32 [$1], $2;\n\tmov.u32 $0, 0;", constraints="=r,r,f",
-                                     args=[addr, v], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _add_dsmem_f32(acc, addr):
-    """acc + the fp32 at DSMEM address addr (the load and the add in one asm: a load on its own gets cloned
-    into every layout its address was computed in, and a side-effecting clone is never removed)."""
-    return tl.inline_asm_elementwise("{\n\t.reg .f32 t;\n\tld.shared::cluster.f32 t, [$2];\n\tadd.f32 $0, $1, t;\n\t}",
-                                     constraints="=f,f,r", args=[acc, addr], dtype=tl.float32, is_pure=False,
-                                     pack=1)
-
-
-@triton.jit
-def _cluster_sync(x, RELAXED: tl.constexpr):
-    """barrier.cluster for every thread of the cluster's CTAs (x: any scalar, returned: orders later calls).
-    RELAXED: a CTA-scope fence and a relaxed arrive instead of the release arrive, which ptxas compiles to a
-    GPU-scope MEMBAR (the exchange only touches shared memory)."""
-    if RELAXED:
-        return tl.inline_asm_elementwise(
-            "membar.cta;\n\tbarrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;\n\tmov.u32 $0, $1;",
-            constraints="=r,r", args=[x], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        return tl.inline_asm_elementwise(
-            "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n\tmov.u32 $0, $1;",
-            constraints="=r,r", args=[x], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _st_dsmem_f32(addr, v):
-    return tl.inline_asm_elementwise("st.shared::cluster.f32 [$1], $2;\n\tmov.u32 $0, 0;", constraints="=r,r,f",
-                                     args=[addr, v], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _add_lds_f32(acc, addr):
-    return tl.inline_asm_elementwise("{\n\t.reg .f32 t;\n\tld.shared.f32 t, [$2];\n\tadd.f32 $0, $1, t;\n\t}",
-                                     constraints="=f,f,r", args=[acc, addr], dtype=tl.float32, is_pure=False,
-                                     pack=1)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # configs
 @dataclass(frozen=True)
@@ -397,8 +333,6 @@ def _lora_gemm_kernel(
     stride_gs, stride_gn,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr, RED_UNROLL: tl.constexpr,
-    SPLIT_CLUSTER: tl.constexpr,  # split-K partials added through distributed shared memory (cluster launch)
-    CLUSTER_RELAXED: tl.constexpr,
     WIDEN_W: tl.constexpr,      # W8A16: widen the e4m3 tile to x's dtype in registers (else FP8 MMA)
     WIDEN_ASM: tl.constexpr,    # ... 1: _e4m3_to_bf16, 2: the PRMT widening (x4 / x2 by SWAP_AB; bf16 x, GPU code), 0: .to()
     SCALE_W: tl.constexpr,      # 0 none (the backward dx GEMM: the scale is in its x), 1 per output column
@@ -516,37 +450,7 @@ def _lora_gemm_kernel(
         acc = tl.trans(acc_mn)                                    # [BN, BM]: the epilogue's orientation
 
     # ---- split-K: the last program of the tile reduces the partials in split order
-    if SPLIT_K > 1 and SPLIT_CLUSTER == 1:
-        # pull: each program stores its partial in its own shared memory; after a cluster barrier, split 0
-        # adds the others' (DSMEM loads) in split order, a second barrier keeps their shared memory alive
-        # until it has, and only split 0 goes on to the epilogue. Same additions as below.
-        offs_sm = (tl.arange(0, BLOCK_N)[:, None] * (BLOCK_M + _DSMEM_PAD) + tl.arange(0, BLOCK_M)[None, :]) * 4
-        base = _smem_base(pid)
-        tl.debug_barrier()                                        # every warp is past the main loop
-        _st_shared_f32(base + offs_sm, acc)
-        tok = _cluster_sync(pid, CLUSTER_RELAXED)
-        if pid_k == 0:
-            for s in tl.static_range(1, SPLIT_K):
-                acc = _add_dsmem_f32(acc, _dsmem_base(base + tok * 0, tok * 0 + s) + offs_sm)
-        _cluster_sync(tok, CLUSTER_RELAXED)
-        if pid_k != 0:
-            return
-    elif SPLIT_K > 1 and SPLIT_CLUSTER == 2:
-        # push: once every program of the cluster is past its main loop (split 0's shared memory is free),
-        # splits 1.. store their partials into split 0's shared memory (DSMEM stores, fire and forget); after
-        # a second barrier split 0 adds them from its own shared memory, in split order.
-        offs_sm = (tl.arange(0, BLOCK_N)[:, None] * (BLOCK_M + _DSMEM_PAD) + tl.arange(0, BLOCK_M)[None, :]) * 4
-        base = _smem_base(pid)
-        tok = _cluster_sync(pid, CLUSTER_RELAXED)
-        if pid_k != 0:
-            slot = _dsmem_base(base + tok * 0, tok * 0) + (pid_k - 1) * (BLOCK_N * (BLOCK_M + _DSMEM_PAD) * 4)
-            _st_dsmem_f32(slot + offs_sm, acc)
-        tok = _cluster_sync(tok, CLUSTER_RELAXED)
-        if pid_k != 0:
-            return
-        for s in tl.static_range(1, SPLIT_K):
-            acc = _add_lds_f32(acc, base + tok * 0 + (s - 1) * (BLOCK_N * (BLOCK_M + _DSMEM_PAD) * 4) + offs_sm)
-    elif SPLIT_K > 1:
+    if SPLIT_K > 1:
         Np = num_n * BLOCK_N
         part_stride = num_m * BLOCK_M * Np
         p_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * Np + offs_n[:, None]
@@ -764,10 +668,6 @@ GEMM_RS = os.environ.get("RLFP8_GEMM_RS", "1") != "0"
 # RLFP8_K2_SYNC_A=0: let W8A16 swap_ab wgmmas stay in flight across k-steps (reproduces the race SYNC_A
 # prevents, bench/stress_determinism.py; never for real runs)
 SYNC_A = os.environ.get("RLFP8_K2_SYNC_A", "1") != "0"
-# split-K partials through distributed shared memory (one cluster per tile) on the GPU; 0 = the L2 workspace
-# and tile counter (the interpreter's path). Same additions in the same order: same bits.
-SPLIT_CLUSTER = int(os.environ.get("RLFP8_SPLIT_CLUSTER", "1"))
-CLUSTER_RELAXED = os.environ.get("RLFP8_CLUSTER_RELAXED", "0") == "1"
 
 
 def _rs_unsupported(x, q, slices, gather, g, lora_precision, use_pdl, out_dtype) -> str | None:
@@ -828,12 +728,7 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
             return lora_gemm_rs(x, q, w_scale, h=h if has_lora else None, B=slices[0] if has_lora else None,
                                 bias=bias, out=out)
     m_tiles, n_tiles = cdiv(M, cfg.block_m), cdiv(N, cfg.block_n)
-    cluster = cfg.split_k > 1 and SPLIT_CLUSTER and not dispatch.triton_interpreting()
     if cfg.split_k > 1:
-        dispatch.record(f"{OP}.split_k", "cluster_dsmem" if cluster else "l2_counter")
-    if cluster:
-        part = cnt = out
-    elif cfg.split_k > 1:
         part = torch.empty((cfg.split_k, m_tiles * cfg.block_m, n_tiles * cfg.block_n), dtype=torch.float32,
                            device=dev)
         cnt = split_counters(OP, m_tiles * n_tiles, dev)
@@ -883,8 +778,7 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
             from triton.tools.tensor_descriptor import TensorDescriptor
             x_arg, x_tma = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]), True
         dispatch.record(f"{OP}.x_loads", "tma" if x_tma else "pointer")
-    grid = (m_tiles * n_tiles,) if cluster else (m_tiles * n_tiles * cfg.split_k,)
-    launch(_lora_gemm_kernel, grid,
+    launch(_lora_gemm_kernel, (m_tiles * n_tiles * cfg.split_k,),
            w_arg, x_arg, out, w_scale if w_scale is not None else dummy, x_scale if x_scale is not None else dummy,
            h if has_lora else dummy, *b_ptrs, slot_t, perm_t, g if g is not None else dummy,
            bias if bias is not None else dummy, part, cnt,
@@ -893,9 +787,7 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
            hst[0], hst[1], hst[2], *bst,
            g.stride(0) if g is not None else 0, g.stride(1) if g is not None else 0,
            BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-           GROUP_M=cfg.group_m, RED_UNROLL=red_unroll, SPLIT_CLUSTER=SPLIT_CLUSTER if cluster else 0,
-           CLUSTER_RELAXED=CLUSTER_RELAXED,
-           WIDEN_W=mode == "w8a16", WIDEN_ASM=widen_asm,
+           GROUP_M=cfg.group_m, RED_UNROLL=red_unroll, WIDEN_W=mode == "w8a16", WIDEN_ASM=widen_asm,
            SCALE_W=int(w_scale is not None), HAS_XS=mode == "w8a8", HAS_LORA=has_lora, N_SLICES=L, PIPE_SLOTS=pipe_slots,
            BLOCK_R=max(16, next_pow2(r)), ALL_SLOT0=meta is None,
            GATHER=bool(gather), HAS_G=g is not None and has_lora, HAS_BIAS=bias is not None,
@@ -904,9 +796,7 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
            USE_PDL=use_pdl, PDL_WAIT_EARLY=mode == "w8a8", W_TMA=w_tma, SWAP_AB=cfg.swap_ab, X_TMA=x_tma,
            SYNC_A=SYNC_A and mode == "w8a16" and cfg.swap_ab and not dispatch.triton_interpreting(),
            FP8_ACC=None if FP8_PRECISE_ACC is None else min(FP8_PRECISE_ACC, cfg.block_k),
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl,
-           cluster=(cfg.split_k, cfg.block_n * (cfg.block_m + _DSMEM_PAD) * 4 * (cfg.split_k - 1 if SPLIT_CLUSTER == 2 else 1))
-           if cluster else None)
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
     return out
 
 

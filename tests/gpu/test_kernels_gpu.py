@@ -142,9 +142,6 @@ def _warm():
             test_dx_gemm_both_orientations(shape)
         for mode in ("w8a16", "w8a8"):
             _epilogue_variants(mode)
-        for case in SPLIT_CASES:
-            _split_protocols(*case)
-        _split_protocols("qkv", 64, 4, "w8a16", False, use_pdl=True)
         for shape, M in MATCHED:
             _matched_outputs(shape, M)
         for shape, M in TRAIN:
@@ -359,68 +356,6 @@ def test_split_k_and_pdl_are_deterministic():
     y3 = lora_gemm_triton(x, q, sw, h=h, B=B, meta=meta, bias=bias, use_pdl=True)
     torch.cuda.synchronize()
     assert torch.equal(y1, y2) and torch.equal(y1, y3)
-
-
-# (shape, M, adapters, mode, DoRA g): configs with split-K (asserted), one and many adapters, both modes
-SPLIT_CASES = [("qkv", 64, 1, "w8a16", False), ("o", 64, 4, "w8a16", True), ("down", 64, 32, "w8a16", False),
-               ("qkv", 16, 4, "w8a8", False), ("down", 64, 4, "w8a8", True), ("o", 50, 1, "w8a16", False),
-               ("down", 16, 4, "w8a16", False), ("o", 1, 1, "w8a16", False)]
-
-
-def _split_protocols(shape, M, S, mode, dora, use_pdl=False):
-    """The same call with the split-K partials added through the cluster's shared memory and through the L2
-    workspace + tile counter (both with the tuned config: same tiles, same split)."""
-    from rlfp8.kernels import lora_gemm as lg
-    x, q, sw, A, B, slots, meta, bias = _case_inputs(shape, M, 64, S)
-    cfg = gemm_config(mode, M, q.shape[0], q.shape[1], DEV)
-    xin, xs = (x, None) if mode == "w8a16" else fp8.quantize_activation_ref(x)
-    g = torch.rand(S, q.shape[0], device=DEV) + 0.5 if dora else None
-    h = lora_shrink_triton(x, A, meta).h
-    outs = {}
-    try:
-        for cluster in (True, False):
-            lg.SPLIT_CLUSTER = cluster
-            outs[cluster] = [lora_gemm_triton(xin, q, sw, x_scale=xs, h=h, B=B, meta=meta, g=g, bias=bias,
-                                              out_dtype=dt, use_pdl=use_pdl)
-                             for dt in (torch.bfloat16, torch.float32)]
-    finally:
-        lg.SPLIT_CLUSTER = True
-    return cfg, outs, (x, q, sw, h, B, meta, g, bias, xs)
-
-
-@pytest.mark.parametrize("shape,M,S,mode,dora", SPLIT_CASES,
-                         ids=[f"{c[0]}-M{c[1]}-S{c[2]}-{c[3]}{'-g' if c[4] else ''}" for c in SPLIT_CASES])
-def test_split_k_cluster_exchange_same_bits_as_l2_workspace(shape, M, S, mode, dora):
-    cfg, outs, _ = _split_protocols(shape, M, S, mode, dora)
-    assert cfg.split_k > 1, f"{shape} M={M} {mode}: tuned config {cfg} has no split-K; pick another case"
-    for yc, yl in zip(outs[True], outs[False]):
-        d = (yc.float() - yl.float()).abs().max().item()
-        assert torch.equal(yc, yl), f"cluster vs L2 split-K: max |diff| {d}"
-    before = dispatch.report().get("lora_gemm.split_k", {}).get("cluster_dsmem", 0)
-    _split_protocols(shape, M, S, mode, dora)
-    assert dispatch.report()["lora_gemm.split_k"]["cluster_dsmem"] == before + 2
-
-
-def test_split_k_cluster_exchange_in_cuda_graph_and_with_pdl():
-    """vLLM replays K2 from CUDA graphs, behind K1 with programmatic dependent launch: the cluster launch
-    captured in a graph and launched with PDL gives the eager bits, replay after replay."""
-    cfg, outs, (x, q, sw, h, B, meta, g, bias, xs) = _split_protocols("qkv", 64, 4, "w8a16", False, use_pdl=True)
-    assert cfg.split_k > 1
-    y_eager = outs[True][0]
-    assert torch.equal(y_eager, outs[False][0])
-    out = torch.empty_like(y_eager)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        lora_gemm_triton(x, q, sw, h=h, B=B, meta=meta, bias=bias, out=out, use_pdl=True)      # warm-up
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        lora_gemm_triton(x, q, sw, h=h, B=B, meta=meta, bias=bias, out=out, use_pdl=True)
-    for _ in range(20):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, y_eager)
 
 
 # ------------------------------------------------------------------------------------------ matched property
