@@ -311,3 +311,176 @@ def lora_gemm_rs(x, q, w_scale, h=None, B=None, bias=None, out=None) -> torch.Te
     kernel, grid, args, kwargs = launch_args(x, q, w_scale, h, B, bias, out)
     launch(kernel, grid, *args, **kwargs)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# decode sizes (<= 64 tokens, base GEMM): K split over the warpgroups of ONE program
+DEC_BM, DEC_BK, DEC_KS, DEC_STAGES = 64, 64, 4, 12   # tokens, k-step, warpgroups (K quarters), ring slots
+DEC_MMA_REGS, DEC_LAUNCH_REGS = 120, 96      # 5 warpgroups (the TMA warp padded) x 128 x 96 = 61440 registers
+_DEC_MMA_REGS = gl.constexpr(DEC_MMA_REGS)
+
+
+@gluon.jit
+def _dec_loader(descs, rings, bars, off_w, kq, KS: gl.constexpr):
+    """One warp: ring step i = KS·j + w holds k-step j of warpgroup w's K range [w·kq, (w+1)·kq) (in k-steps),
+    so the warpgroups' steps come in turn; slot i % S is refilled once its warpgroup released step i - S."""
+    x_desc, q_desc = descs
+    x_ring, q_ring = rings
+    ready, consumed = bars
+    S: gl.constexpr = x_ring.type.shape[0]
+    BKc: gl.constexpr = x_ring.type.shape[2]
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + q_desc.block_type.nbytes
+    for i in range(KS * kq):
+        s = i % S
+        k = ((i % KS) * kq + i // KS) * BKc
+        mbarrier.wait(consumed.index(s), ((i // S) & 1) ^ 1)          # fresh barrier: the first lap passes
+        mbarrier.expect(ready.index(s), nbytes)
+        tma.async_copy_global_to_shared(x_desc, [0, k], ready.index(s), x_ring.index(s))
+        tma.async_copy_global_to_shared(q_desc, [off_w, k], ready.index(s), q_ring.index(s))
+
+
+@gluon.jit
+def _dec_mma(rings, bars, red, kq, WG: gl.constexpr, KS: gl.constexpr):
+    """Warpgroup WG: its K range's partial sum acc[64 weight rows, BM tokens] (ring steps WG, WG+KS, ...; the
+    main loop of _mainloop: two steps per iteration, first two peeled, kq even). Warpgroups 1.. leave theirs
+    in shared memory; warpgroup 0 adds them in K order (K2's split-K sum: same additions, same bits)."""
+    x_ring, q_ring = rings
+    ready, consumed, red_bar = bars
+    S: gl.constexpr = x_ring.type.shape[0]
+    BMc: gl.constexpr = x_ring.type.shape[1]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BMc, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=layout, k_width=2)
+    i0: gl.constexpr = WG
+    i1: gl.constexpr = WG + KS
+    a0 = _operand(q_ring, ready, i0, a_layout, 0, False)
+    acc = warpgroup_mma(a0, x_ring.index(i0 % S).permute((1, 0)), gl.zeros([64, BMc], gl.float32, layout),
+                        use_acc=False, is_async=True)
+    a1 = _operand(q_ring, ready, i1, a_layout, 0, False)
+    acc = warpgroup_mma(a1, x_ring.index(i1 % S).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))          # step i0 retired
+    a0 = _keep(a0)
+    mbarrier.arrive(consumed.index(i0 % S))
+    for i in range(WG + 2 * KS, KS * kq, 2 * KS):
+        a0 = _operand(q_ring, ready, i, a_layout, 0, False)
+        acc = warpgroup_mma(a0, x_ring.index(i % S).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))      # step i - KS retired
+        a1 = _keep(a1)
+        mbarrier.arrive(consumed.index((i - KS) % S))
+        a1 = _operand(q_ring, ready, i + KS, a_layout, 0, False)
+        acc = warpgroup_mma(a1, x_ring.index((i + KS) % S).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))      # step i retired
+        a0 = _keep(a0)
+        mbarrier.arrive(consumed.index(i % S))
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    if WG > 0:
+        red.index(WG - 1).store(acc)
+        mbarrier.arrive(red_bar)
+    else:
+        mbarrier.wait(red_bar, 0)
+        for w in gl.static_range(1, KS):
+            acc = acc + red.index(w - 1).load(layout)
+    return acc
+
+
+@gluon.jit
+def _dec_worker(rings, bars, red, kq, WG: gl.constexpr, KS: gl.constexpr):
+    _dec_mma(rings, bars, red, kq, WG, KS)
+
+
+@gluon.jit
+def _dec_default(rings, bars, red, kq, KS: gl.constexpr):
+    return (_dec_mma(rings, bars, red, kq, 0, KS), )                   # warp_specialize returns a tuple
+
+
+@gluon.jit
+def _lora_gemm_rs_decode_kernel(x_desc, q_desc, y_ptr, sw_ptr, bias_ptr, M, N, K,
+                                HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, KS: gl.constexpr,
+                                STAGES: gl.constexpr):
+    """One program per 64 weight rows, all M <= BM tokens: warpgroup w sums K range w of KS (K2's split-K
+    ranges), a TMA warp feeds the four in turn; warpgroup 0 adds the partials in K order and runs K2's
+    epilogue (scale, bias, one rounding): K2's split-K program, without its L2 workspace and tile counter."""
+    BMc: gl.constexpr = x_desc.block_type.shape[0]
+    BKc: gl.constexpr = x_desc.block_type.shape[1]
+    gl.static_assert(q_desc.block_type.shape[0] == 64, "64 weight rows per program")
+    gl.static_assert(KS == 4, "four K warpgroups (the worker list below)")
+    off_w = gl.program_id(0) * 64
+    kq = K // (BKc * KS)                                                # k-steps per warpgroup
+    x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BMc, BKc], x_desc.layout)
+    q_ring = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    red = gl.allocate_shared_memory(gl.float32, [KS - 1, 64, BMc],
+                                    gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    consumed = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    red_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(consumed.index(i), count=1)                       # the step's one warpgroup
+    mbarrier.init(red_bar, count=KS - 1)
+    fence_async_shared()
+    rings = (x_ring, q_ring)
+    bars = (ready, consumed, red_bar)
+    acc, = gl.warp_specialize([
+        (_dec_default, (rings, bars, red, kq, KS)),
+        (_dec_worker, (rings, bars, red, kq, 1, KS)),
+        (_dec_worker, (rings, bars, red, kq, 2, KS)),
+        (_dec_worker, (rings, bars, red, kq, 3, KS)),
+        (_dec_loader, ((x_desc, q_desc), rings, (ready, consumed), off_w, kq, KS)),
+    ], [4, 4, 4, 1], [_DEC_MMA_REGS, _DEC_MMA_REGS, _DEC_MMA_REGS, _LOAD_REGS])
+
+    # ---- epilogue in warpgroup 0's warps (K2's order: scale, bias, one rounding)
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BMc, 16])
+    rows = off_w + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))            # output columns [64]
+    if HAS_SCALE:
+        acc = acc * gl.load(sw_ptr + rows)[:, None]
+    if HAS_BIAS:
+        acc = acc + gl.load(bias_ptr + rows).to(gl.float32)[:, None]
+    out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, 4],
+                                           order=[0, 1])
+    y = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), out_l)
+    offs_c = off_w + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
+    offs_t = gl.arange(0, BMc, layout=gl.SliceLayout(0, out_l))
+    gl.store(y_ptr + offs_t[None, :].to(gl.int64) * N + offs_c[:, None], y, mask=(offs_t < M)[None, :])
+
+
+def decode_supported(x: torch.Tensor, q: torch.Tensor, split_k: int) -> str | None:
+    """None if the decode kernel runs this base-GEMM call with K2's arithmetic for a config with split_k,
+    else why not."""
+    M, K = x.shape
+    N = q.shape[0]
+    if M > DEC_BM:
+        return f"{M} tokens > {DEC_BM}"
+    if split_k != DEC_KS:
+        return f"config split_k {split_k} != {DEC_KS}"
+    if K % (2 * DEC_KS * DEC_BK) or K % (DEC_KS * 128) or N % 64:
+        return f"shape N={N}, K={K}"
+    if x.dtype != torch.bfloat16 or q.stride(1) != 1:
+        return f"x dtype {x.dtype} or q not row-major"
+    if (x.stride(0) * 2) % 16 or x.data_ptr() % 16 or q.data_ptr() % 16 or q.stride(0) % 16:
+        return "x / q not 16-byte aligned for TMA"
+    if not x.is_cuda or _capability(x.device) != (9, 0):
+        return "not sm_90"
+    return None
+
+
+def decode_launch_args(x, q, w_scale, bias=None, out=None):
+    M, K = x.shape
+    N = q.shape[0]
+    x_desc = TensorDescriptor.from_tensor(x, [DEC_BM, DEC_BK],
+                                          gl.NVMMASharedLayout.get_default_for([DEC_BM, DEC_BK], gl.bfloat16))
+    q_desc = TensorDescriptor.from_tensor(q, [64, DEC_BK],
+                                          gl.NVMMASharedLayout.get_default_for([64, DEC_BK], gl.float8e4nv))
+    args = (x_desc, q_desc, out, out if w_scale is None else w_scale, out if bias is None else bias, M, N, K)
+    kwargs = dict(HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None, KS=DEC_KS, STAGES=DEC_STAGES,
+                  num_warps=4, maxnreg=DEC_LAUNCH_REGS)
+    return _lora_gemm_rs_decode_kernel, (N // 64,), args, kwargs
+
+
+def lora_gemm_rs_decode(x, q, w_scale, bias=None, out=None) -> torch.Tensor:
+    """Run the decode kernel (the caller checked `decode_supported`); returns out [M, N] (bf16)."""
+    if out is None:
+        out = torch.empty((x.shape[0], q.shape[0]), dtype=x.dtype, device=x.device)
+    kernel, grid, args, kwargs = decode_launch_args(x, q, w_scale, bias, out)
+    launch(kernel, grid, *args, **kwargs)
+    return out
