@@ -88,7 +88,11 @@ def cases(lg, old, collect, timer=None):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
             xq, xs = quantize_activation_triton(x)
             # the acceptance line "W8A16 <= 1.15x our W8A8 at M <= 64": new and old W8A16 against the new W8A8
-            fns = [lambda: lg.lora_gemm_triton(x, q, sw), lambda: old.lora_gemm_triton(x, q, sw),
+            # the old copy gets the new one's config: its own tuned-table path is a temporary directory
+            c16 = lg.gemm_config("w8a16", M, N, K, "cuda")
+            c16_old = old.GemmConfig(**dataclasses.asdict(c16))
+            fns = [lambda: lg.lora_gemm_triton(x, q, sw, config=c16),
+                   lambda: old.lora_gemm_triton(x, q, sw, config=c16_old),
                    lambda: lg.lora_gemm_triton(xq, q, sw, x_scale=xs)]
             if collect is not None:
                 collect(*fns)

@@ -31,10 +31,16 @@ Kernel strategy (Hopper):
     64+ tokens Triton waits for each wgmma before refilling the widened tile, and swap_ab wins.
     The tuner picks per (mode, bucket, K, N class); both orientations give the matched property, since the
     engine and the trainer take the same config for the same T.
-  * split-K for small T: SPLIT_K programs share a tile; each writes its fp32 partial to a workspace, the
-    last one (atomic tile counter, reset afterwards) sums them in split order and runs the epilogue:
-    deterministic, and the epilogue still sees the full sum before the single rounding. The sum is unrolled
-    (all partial loads in flight at once) while the partials fit in ~64 registers per thread.
+  * split-K for small T: SPLIT_K programs share a tile; each writes its fp32 partial to a workspace and
+    bumps the tile's counter. On the GPU, when SPLIT_K is 2/4/8 and leaves >= 16 tokens per program, every
+    program waits for the count to complete and sums the partials in split order for its BLOCK_M // SPLIT_K
+    tokens, then runs the epilogue on them (dispatch records "lora_gemm.split_k" = distributed); else (and
+    in the interpreter, which runs programs one after another) the last program to arrive sums the whole
+    tile (last_program; its counter reset afterwards), the sum unrolled while the partials fit in ~64
+    registers per thread. Same additions per element either way: deterministic, identical bits, the
+    epilogue sees the full sum before the single rounding. At 64 tokens the distributed reduction takes the
+    W8A16 qkv GEMM from 20.6 to 18.5 us on the H200 (bench/results/k2_ab_split_k_distributed_h200.json):
+    the tile's 64 KB of partials are reloaded by four SMs instead of one.
   * rows: with metadata, a tile's rows come from vLLM's token_indices_sorted_by_lora_ids (adapter-sorted), so
     a tile touches few adapters; the epilogue loops over the distinct slots of its rows (ascending), each
     iteration one small dot B_slot_tile [BLOCK_N, r] · h_rowsᵀ [r, BLOCK_M] into the fp32 accumulator
@@ -333,6 +339,7 @@ def _lora_gemm_kernel(
     stride_gs, stride_gn,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_M: tl.constexpr, RED_UNROLL: tl.constexpr,
+    DIST_RED: tl.constexpr,     # split-K: every program reduces BLOCK_M // SPLIT_K tokens (else the last one all)
     WIDEN_W: tl.constexpr,      # W8A16: widen the e4m3 tile to x's dtype in registers (else FP8 MMA)
     WIDEN_ASM: tl.constexpr,    # ... 1: _e4m3_to_bf16, 2: the PRMT widening (x4 / x2 by SWAP_AB; bf16 x, GPU code), 0: .to()
     SCALE_W: tl.constexpr,      # 0 none (the backward dx GEMM: the scale is in its x), 1 per output column
@@ -449,8 +456,42 @@ def _lora_gemm_kernel(
     if not SWAP_AB:
         acc = tl.trans(acc_mn)                                    # [BN, BM]: the epilogue's orientation
 
+    # ---- split-K on the GPU: every program reduces its share of the tile's tokens, in split order
+    if SPLIT_K > 1 and DIST_RED:
+        Np = num_n * BLOCK_N
+        part_stride = num_m * BLOCK_M * Np
+        d_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * Np + offs_n[:, None]
+        tl.store(d_ptrs + pid_k * part_stride, acc)
+        tl.debug_barrier()
+        # all SPLIT_K programs wait until the tile's partials have landed, then each adds them (split
+        # order) for its BLOCK_M // SPLIT_K tokens and runs the epilogue on those: four reloads of a
+        # quarter in parallel instead of one program reloading the whole tile. The tile counter only
+        # grows (SPLIT_K per launch, uint32 wrap-around; one buffer per power-of-2 SPLIT_K, so a launch
+        # starts at a multiple of it) and is never reset. Waiting on the tile's other programs cannot
+        # deadlock: they are consecutive program ids, dispatched in order, so at most one tile is partly
+        # resident at a time and every other resident program finishes (CUTLASS's serial split-K relies
+        # on the same order). Same additions per element as below: same bits.
+        old = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu").to(tl.uint32, bitcast=True)
+        target = old - (old % SPLIT_K) + SPLIT_K                   # this launch's count for the tile
+        behind = (old + 1 - target).to(tl.int32, bitcast=True) < 0
+        while behind:
+            cur = tl.atomic_add(cnt_ptr + tile, 0, sem="acquire", scope="gpu").to(tl.uint32, bitcast=True)
+            behind = (cur - target).to(tl.int32, bitcast=True) < 0
+        BQ: tl.constexpr = BLOCK_M // SPLIT_K
+        offs_m = pid_m * BLOCK_M + pid_k * BQ + tl.arange(0, BQ)  # this program's tokens [BQ]
+        m_ok = offs_m < M
+        if GATHER:
+            rows = tl.load(perm_ptr + offs_m, mask=m_ok, other=0)
+        else:
+            rows = tl.where(m_ok, offs_m, 0)
+        rows64 = rows.to(tl.int64)
+        q_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * Np + offs_n[:, None]
+        acc = tl.load(q_ptrs, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT_K):
+            acc += tl.load(q_ptrs + s * part_stride, cache_modifier=".cg")
+
     # ---- split-K: the last program of the tile reduces the partials in split order
-    if SPLIT_K > 1:
+    if SPLIT_K > 1 and not DIST_RED:
         Np = num_n * BLOCK_N
         part_stride = num_m * BLOCK_M * Np
         p_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * Np + offs_n[:, None]
@@ -668,6 +709,7 @@ GEMM_RS = os.environ.get("RLFP8_GEMM_RS", "1") != "0"
 # RLFP8_K2_SYNC_A=0: let W8A16 swap_ab wgmmas stay in flight across k-steps (reproduces the race SYNC_A
 # prevents, bench/stress_determinism.py; never for real runs)
 SYNC_A = os.environ.get("RLFP8_K2_SYNC_A", "1") != "0"
+DIST_RED = os.environ.get("RLFP8_K2_DIST_RED", "1") != "0"
 
 
 def _rs_unsupported(x, q, slices, gather, g, lora_precision, use_pdl, out_dtype) -> str | None:
@@ -728,10 +770,13 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
             return lora_gemm_rs(x, q, w_scale, h=h if has_lora else None, B=slices[0] if has_lora else None,
                                 bias=bias, out=out)
     m_tiles, n_tiles = cdiv(M, cfg.block_m), cdiv(N, cfg.block_n)
+    dist_red = (DIST_RED and cfg.split_k in (2, 4, 8) and cfg.block_m // cfg.split_k >= 16
+                and not dispatch.triton_interpreting())
     if cfg.split_k > 1:
+        dispatch.record(f"{OP}.split_k", "distributed" if dist_red else "last_program")
         part = torch.empty((cfg.split_k, m_tiles * cfg.block_m, n_tiles * cfg.block_n), dtype=torch.float32,
                            device=dev)
-        cnt = split_counters(OP, m_tiles * n_tiles, dev)
+        cnt = split_counters(f"{OP}.grow{cfg.split_k}" if dist_red else OP, m_tiles * n_tiles, dev)
     else:
         part = cnt = out
     dummy = out
@@ -787,7 +832,7 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
            hst[0], hst[1], hst[2], *bst,
            g.stride(0) if g is not None else 0, g.stride(1) if g is not None else 0,
            BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-           GROUP_M=cfg.group_m, RED_UNROLL=red_unroll, WIDEN_W=mode == "w8a16", WIDEN_ASM=widen_asm,
+           GROUP_M=cfg.group_m, RED_UNROLL=red_unroll, DIST_RED=dist_red, WIDEN_W=mode == "w8a16", WIDEN_ASM=widen_asm,
            SCALE_W=int(w_scale is not None), HAS_XS=mode == "w8a8", HAS_LORA=has_lora, N_SLICES=L, PIPE_SLOTS=pipe_slots,
            BLOCK_R=max(16, next_pow2(r)), ALL_SLOT0=meta is None,
            GATHER=bool(gather), HAS_G=g is not None and has_lora, HAS_BIAS=bias is not None,

@@ -2,8 +2,9 @@
 M in {1, 7, 16, 33, 128, 1000, 4096}, ranks 16/64/128, 1/4/32 adapters with some tokens without adapter,
 both engine modes: kernels against fp64 math; quantization bit-equal to the references (CUDA and CPU), to
 IEEE amax/448 and to vLLM's dynamic_per_token_scaled_fp8_quant; the matched property (engine W8A16 call and
-trainer forward bit-identical on the same rows); the two W8A16 widenings and the two multi-adapter epilogue
-variants bit-identical; the Gluon main loop (lora_gemm_rs, > 512 tokens without metadata) bit-identical to
+trainer forward bit-identical on the same rows); the two W8A16 widenings, the two multi-adapter epilogue
+variants and the two split-K reductions (distributed over the tile's programs, or by its last program; also
+in CUDA-graph replays with PDL) bit-identical; the Gluon main loop (lora_gemm_rs, > 512 tokens without metadata) bit-identical to
 the Triton kernel for the forward and dx GEMMs; the training linear's forward and backward against
 LoRALinearRef, with allocation sizes showing that no weight is copied.
 
@@ -142,6 +143,9 @@ def _warm():
             test_dx_gemm_both_orientations(shape)
         for mode in ("w8a16", "w8a8"):
             _epilogue_variants(mode)
+        for case in DIST_CASES:
+            _split_protocols(*case)
+        _split_protocols("qkv", 64, 4, "w8a16", False, use_pdl=True)
         for shape, M in MATCHED:
             _matched_outputs(shape, M)
         for shape, M in TRAIN:
@@ -356,6 +360,75 @@ def test_split_k_and_pdl_are_deterministic():
     y3 = lora_gemm_triton(x, q, sw, h=h, B=B, meta=meta, bias=bias, use_pdl=True)
     torch.cuda.synchronize()
     assert torch.equal(y1, y2) and torch.equal(y1, y3)
+
+
+# (shape, M, adapters, mode, DoRA g): tuned configs with split-K where every program reduces its share of
+# the tile's tokens (asserted), one and many adapters, both modes, both main-loop orientations
+DIST_CASES = [("qkv", 64, 1, "w8a16", False), ("o", 64, 4, "w8a16", True), ("down", 64, 32, "w8a16", False),
+              ("o", 50, 1, "w8a16", False), ("qkv", 33, 32, "w8a16", True), ("down", 64, 4, "w8a8", True),
+              ("down", 256, 4, "w8a8", False)]
+
+
+def _split_protocols(shape, M, S, mode, dora, use_pdl=False):
+    """The same call with the split-K partials reduced by every program (its share of the tokens) and by the
+    tile's last program only (the interpreter's protocol); both with the tuned config."""
+    from rlfp8.kernels import lora_gemm as lg
+    x, q, sw, A, B, slots, meta, bias = _case_inputs(shape, M, 64, S)
+    cfg = gemm_config(mode, M, q.shape[0], q.shape[1], DEV)
+    xin, xs = (x, None) if mode == "w8a16" else fp8.quantize_activation_ref(x)
+    g = torch.rand(S, q.shape[0], device=DEV) + 0.5 if dora else None
+    h = lora_shrink_triton(x, A, meta).h
+    outs = {}
+    try:
+        for dist in (True, False):
+            lg.DIST_RED = dist
+            outs[dist] = [lora_gemm_triton(xin, q, sw, x_scale=xs, h=h, B=B, meta=meta, g=g, bias=bias,
+                                           out_dtype=dt, use_pdl=use_pdl)
+                          for dt in (torch.bfloat16, torch.float32)]
+    finally:
+        lg.DIST_RED = True
+    return cfg, outs, (x, q, sw, h, B, meta, g, bias)
+
+
+@pytest.mark.parametrize("shape,M,S,mode,dora", DIST_CASES,
+                         ids=[f"{c[0]}-M{c[1]}-S{c[2]}-{c[3]}{'-g' if c[4] else ''}" for c in DIST_CASES])
+def test_split_k_distributed_reduction_same_bits_as_last_program(shape, M, S, mode, dora):
+    cfg, outs, _ = _split_protocols(shape, M, S, mode, dora)
+    assert cfg.split_k in (2, 4, 8) and cfg.block_m // cfg.split_k >= 16, \
+        f"{shape} M={M} {mode}: tuned config {cfg} does not take the distributed reduction; pick another case"
+    for yd, yl in zip(outs[True], outs[False]):
+        d = (yd.float() - yl.float()).abs().max().item()
+        assert torch.equal(yd, yl), f"distributed vs last-program split-K: max |diff| {d}"
+    before = dispatch.report().get("lora_gemm.split_k", {}).get("distributed", 0)
+    _split_protocols(shape, M, S, mode, dora)
+    assert dispatch.report()["lora_gemm.split_k"]["distributed"] == before + 2
+
+
+def test_split_k_distributed_reduction_in_cuda_graph_with_pdl():
+    """vLLM replays K2 from CUDA graphs behind K1 (programmatic dependent launch): the never-reset tile
+    counters keep working replay after replay (the output is zeroed before each replay)."""
+    cfg, outs, (x, q, sw, h, B, meta, g, bias) = _split_protocols("qkv", 64, 4, "w8a16", False, use_pdl=True)
+    y_eager = outs[True][0]
+    assert torch.equal(y_eager, outs[False][0])
+    out = torch.empty_like(y_eager)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        lora_gemm_triton(x, q, sw, h=h, B=B, meta=meta, bias=bias, out=out, use_pdl=True)      # warm-up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lora_gemm_triton(x, q, sw, h=h, B=B, meta=meta, bias=bias, out=out, use_pdl=True)
+    for _ in range(50):
+        out.zero_()
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, y_eager)
+    for _ in range(200):                    # eager launches between replays share the same counters
+        lora_gemm_triton(x, q, sw, h=h, B=B, meta=meta, bias=bias, use_pdl=True)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, y_eager)
 
 
 # ------------------------------------------------------------------------------------------ matched property

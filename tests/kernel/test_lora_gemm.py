@@ -251,3 +251,32 @@ def test_explore_k2_decode_edits_still_apply():
     from bench.explore_k2_decode import ARMS, variant_source
     for arm in ARMS + ("timed",):
         ast.parse(variant_source(arm))
+
+
+@pytest.mark.parametrize("split,block_m,interpreting,dist", [
+    (4, 64, False, True),       # 64-token decode tiles: 16 tokens per program
+    (2, 64, False, True),
+    (3, 64, False, False),      # not a power of 2: the never-reset counter would not wrap cleanly
+    (4, 16, False, False),      # 4 tokens per program: below the 16-token dot
+    (4, 64, True, False),       # the interpreter runs programs one after another: no program may wait
+])
+def test_split_k_protocol_choice(split, block_m, interpreting, dist, monkeypatch):
+    """Which split-K reduction a launch gets (the GPU kernels are compared bit for bit in tests/gpu): the
+    distributed one needs a power-of-2 split, >= 16 tokens per program and a GPU; it takes its own never-reset
+    counter buffer per split, the last-program protocol the shared one it resets."""
+    from rlfp8.kernels import _triton_utils as tu
+    from rlfp8.kernels import lora_gemm as lg
+    monkeypatch.setattr(lg.dispatch, "triton_interpreting", lambda: interpreting)
+    M, N, K = 64, 256, 1024
+    x = torch.zeros(M, K, dtype=torch.bfloat16)
+    q = torch.zeros(N, K, dtype=fp8.FP8_DTYPE)
+    cfg = GemmConfig(64, block_m, 128, split)
+    dispatch.reset_report()
+    with tu.collect_launches() as rec:
+        lora_gemm_triton(x, q, torch.ones(N), config=cfg)
+    (kernel, grid, args, kw), = rec
+    assert kw["DIST_RED"] is dist and kw["SPLIT_K"] == split
+    assert grid == (-(-M // block_m) * (N // 64) * split,)
+    assert dispatch.report()["lora_gemm.split_k"] == {"distributed" if dist else "last_program": 1}
+    cnt = args[14]                                          # cnt_ptr
+    assert cnt is tu.split_counters(f"lora_gemm.grow{split}" if dist else "lora_gemm", 1, x.device)
