@@ -363,7 +363,7 @@ def test_split_k_and_pdl_are_deterministic():
 
 
 # (shape, M, adapters, mode, DoRA g): tuned configs with split-K where every program reduces its share of
-# the tile's tokens (asserted), one and many adapters, both modes, both main-loop orientations
+# the tile's tokens (asserted), one and many adapters, both modes (all swap-AB: the only tuned configs that qualify)
 DIST_CASES = [("qkv", 64, 1, "w8a16", False), ("o", 64, 4, "w8a16", True), ("down", 64, 32, "w8a16", False),
               ("o", 50, 1, "w8a16", False), ("qkv", 33, 32, "w8a16", True), ("down", 64, 4, "w8a8", True),
               ("down", 256, 4, "w8a8", False)]
