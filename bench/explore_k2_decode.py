@@ -59,10 +59,10 @@ LOOP = "    for k in range(k_lo, k_hi, BLOCK_K):\n"
 X_LOAD = "            xt = x_ptr.load([pid_m * BLOCK_M, k])                 # [BM, BK], zero beyond M and K\n"
 W_LOAD = "            w = w_ptr.load([pid_n * BLOCK_N, k])                  # out-of-range rows/cols read as 0\n"
 PRMT_X2 = 'E4M3X2_TO_BF16_PTX = tl.constexpr("""'
-SPLIT_HEAD = "    # ---- split-K: the last program of the tile reduces the partials in split order\n"
+SPLIT_HEAD = "    # ---- split-K: the partials are added in split order, by the tile's last program (all its tokens) or,\n"
 ATOMIC = '        tl.debug_barrier()\n        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")\n'
-NOT_LAST = "        if done != SPLIT_K - 1:\n            return\n"
-RESET = '        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")\n'
+NOT_LAST = "        elif done != SPLIT_K - 1:\n            return\n"
+RESET = '        if not DIST_RED:\n            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")\n'
 STORE_Y = "    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])\n"
 SIG_TAIL = "    part_ptr, cnt_ptr,\n    M, N, K, R, end0, end1,"
 LAUNCH_TAIL = "part, cnt,\n           M, N, K, r,"
@@ -155,8 +155,7 @@ def variant_source(arm: str) -> str:
         s = _edit(s, ATOMIC, ATOMIC.replace('sem="acq_rel"', 'sem="relaxed"'))
     elif arm == "noexchange":
         i = s.index(SPLIT_HEAD)
-        end = '        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")\n'
-        j = s.index(end, i) + len(end)
+        j = s.index(RESET, i) + len(RESET)
         s = s[:i] + SPLIT_HEAD + "    if SPLIT_K > 1:\n        if pid_k != SPLIT_K - 1:\n            return\n" + s[j:]
     elif arm == "nostore":
         s = _edit(s, "        tl.store(p_ptrs + pid_k * part_stride, acc)\n", "")
@@ -164,10 +163,10 @@ def variant_source(arm: str) -> str:
         s = _edit(s, '        acc = tl.load(p_ptrs, cache_modifier=".cg")\n', '        acc += tl.load(p_ptrs, cache_modifier=".cg")\n')
     elif arm == "noreload":
         i = s.index('        acc = tl.load(p_ptrs, cache_modifier=".cg")\n')
-        j = s.index('        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")\n', i)
+        j = s.index(RESET, i)
         s = s[:i] + s[j:]
     elif arm == "noatomic":
-        s = _edit(s, ATOMIC + NOT_LAST, "        if pid_k != SPLIT_K - 1:\n            return\n")
+        s = _edit(s, ATOMIC, "        done = pid_k\n")        # only split S-1 goes on, without waiting
     elif arm == "timed":
         s = _edit(s, SIG_TAIL, "    part_ptr, cnt_ptr, tbuf_ptr, it_off,\n    M, N, K, R, end0, end1,")
         s = _edit(s, LAUNCH_TAIL, "part, cnt, TBUF, TBUF_ITERS_AT,\n           M, N, K, r,")
@@ -183,7 +182,7 @@ def variant_source(arm: str) -> str:
         s = _edit(s, ATOMIC, "        tl.debug_barrier()\n        ca = _sreg64(pid, \"%clock64\")\n"
                   "        done = tl.atomic_add(cnt_ptr + tile, 1, sem=\"acq_rel\", scope=\"gpu\")\n"
                   "        c2 = _sreg64(pid, \"%clock64\")\n")
-        s = _edit(s, NOT_LAST, "        if done != SPLIT_K - 1:\n"
+        s = _edit(s, NOT_LAST, "        elif done != SPLIT_K - 1:\n"
                   "            _rec(tbuf_ptr, pid, smid, g0, c0, c1, ca, c2, c2, 0, c2)\n            return\n")
         s = _edit(s, STORE_Y, STORE_Y + "    _rec(tbuf_ptr, pid, smid, g0, c0, c1, ca, c2, _sreg64(pid, \"%clock64\"), 1, r2)\n")
         s += f"\nMAX_ITERS = tl.constexpr({MAX_ITERS})\nTBUF = None\nTBUF_ITERS_AT = 0\n"

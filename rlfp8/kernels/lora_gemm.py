@@ -456,49 +456,38 @@ def _lora_gemm_kernel(
     if not SWAP_AB:
         acc = tl.trans(acc_mn)                                    # [BN, BM]: the epilogue's orientation
 
-    # ---- split-K on the GPU: every program reduces its share of the tile's tokens, in split order
-    if SPLIT_K > 1 and DIST_RED:
-        Np = num_n * BLOCK_N
-        part_stride = num_m * BLOCK_M * Np
-        d_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * Np + offs_n[:, None]
-        tl.store(d_ptrs + pid_k * part_stride, acc)
-        tl.debug_barrier()
-        # all SPLIT_K programs wait until the tile's partials have landed, then each adds them (split
-        # order) for its BLOCK_M // SPLIT_K tokens and runs the epilogue on those: four reloads of a
-        # quarter in parallel instead of one program reloading the whole tile. The tile counter only
-        # grows (SPLIT_K per launch, uint32 wrap-around; one buffer per power-of-2 SPLIT_K, so a launch
-        # starts at a multiple of it) and is never reset. Waiting on the tile's other programs cannot
-        # deadlock: they are consecutive program ids, dispatched in order, so at most one tile is partly
-        # resident at a time and every other resident program finishes (CUTLASS's serial split-K relies
-        # on the same order). Same additions per element as below: same bits.
-        old = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu").to(tl.uint32, bitcast=True)
-        target = old - (old % SPLIT_K) + SPLIT_K                   # this launch's count for the tile
-        behind = (old + 1 - target).to(tl.int32, bitcast=True) < 0
-        while behind:
-            cur = tl.atomic_add(cnt_ptr + tile, 0, sem="acquire", scope="gpu").to(tl.uint32, bitcast=True)
-            behind = (cur - target).to(tl.int32, bitcast=True) < 0
-        BQ: tl.constexpr = BLOCK_M // SPLIT_K
-        offs_m = pid_m * BLOCK_M + pid_k * BQ + tl.arange(0, BQ)  # this program's tokens [BQ]
-        m_ok = offs_m < M
-        if GATHER:
-            rows = tl.load(perm_ptr + offs_m, mask=m_ok, other=0)
-        else:
-            rows = tl.where(m_ok, offs_m, 0)
-        rows64 = rows.to(tl.int64)
-        q_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * Np + offs_n[:, None]
-        acc = tl.load(q_ptrs, cache_modifier=".cg")
-        for s in tl.static_range(1, SPLIT_K):
-            acc += tl.load(q_ptrs + s * part_stride, cache_modifier=".cg")
-
-    # ---- split-K: the last program of the tile reduces the partials in split order
-    if SPLIT_K > 1 and not DIST_RED:
+    # ---- split-K: the partials are added in split order, by the tile's last program (all its tokens) or,
+    # DIST_RED, by every program for its BLOCK_M // SPLIT_K tokens
+    if SPLIT_K > 1:
         Np = num_n * BLOCK_N
         part_stride = num_m * BLOCK_M * Np
         p_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * Np + offs_n[:, None]
         tl.store(p_ptrs + pid_k * part_stride, acc)
         tl.debug_barrier()
         done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if done != SPLIT_K - 1:
+        if DIST_RED:
+            # wait until the tile's partials have landed: four reloads of a quarter in parallel instead of
+            # one program reloading the whole tile. The counter only grows (SPLIT_K per launch, uint32
+            # wrap-around; one buffer per power-of-2 SPLIT_K, so a launch starts at a multiple of it) and is
+            # never reset. Waiting on the tile's other programs cannot deadlock: they are consecutive program
+            # ids, dispatched in order, so at most one tile is partly resident at a time and every other
+            # resident program finishes (CUTLASS's serial split-K relies on the same order).
+            old = done.to(tl.uint32, bitcast=True)
+            target = old - (old % SPLIT_K) + SPLIT_K                   # this launch's count for the tile
+            behind = (old + 1 - target).to(tl.int32, bitcast=True) < 0
+            while behind:
+                cur = tl.atomic_add(cnt_ptr + tile, 0, sem="acquire", scope="gpu").to(tl.uint32, bitcast=True)
+                behind = (cur - target).to(tl.int32, bitcast=True) < 0
+            BQ: tl.constexpr = BLOCK_M // SPLIT_K
+            offs_m = pid_m * BLOCK_M + pid_k * BQ + tl.arange(0, BQ)  # this program's tokens [BQ]
+            m_ok = offs_m < M
+            if GATHER:
+                rows = tl.load(perm_ptr + offs_m, mask=m_ok, other=0)
+            else:
+                rows = tl.where(m_ok, offs_m, 0)
+            rows64 = rows.to(tl.int64)
+            p_ptrs = part_ptr + offs_m.to(tl.int64)[None, :] * Np + offs_n[:, None]
+        elif done != SPLIT_K - 1:
             return
         acc = tl.load(p_ptrs, cache_modifier=".cg")
         if RED_UNROLL:
@@ -509,7 +498,8 @@ def _lora_gemm_kernel(
         else:
             for s in range(1, SPLIT_K):
                 acc += tl.load(p_ptrs + s * part_stride, cache_modifier=".cg")
-        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+        if not DIST_RED:
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     # ---- epilogue: scales, LoRA (per slice, per slot), DoRA g, bias, one rounding
     if SCALE_W == 1:
@@ -709,6 +699,7 @@ GEMM_RS = os.environ.get("RLFP8_GEMM_RS", "1") != "0"
 # RLFP8_K2_SYNC_A=0: let W8A16 swap_ab wgmmas stay in flight across k-steps (reproduces the race SYNC_A
 # prevents, bench/stress_determinism.py; never for real runs)
 SYNC_A = os.environ.get("RLFP8_K2_SYNC_A", "1") != "0"
+# RLFP8_K2_DIST_RED=0: split-K partials always reduced by the tile's last program (A/B timing; same bits)
 DIST_RED = os.environ.get("RLFP8_K2_DIST_RED", "1") != "0"
 
 
@@ -796,8 +787,10 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     pipe_slots = has_lora and meta is not None and meta.num_active > 2 and cfg.block_m <= 128
     if _PIPE_SLOTS_OVERRIDE is not None and has_lora and meta is not None:     # tests: both variants, same bits
         pipe_slots = _PIPE_SLOTS_OVERRIDE
-    # the split-K sum unrolled while the partials (BLOCK_N x BLOCK_M fp32 per split) fit in ~64 registers/thread
-    red_unroll = cfg.block_n * cfg.block_m * (cfg.split_k - 1) <= 64 * 32 * cfg.num_warps
+    # the split-K sum unrolled while the partials a program reloads (BLOCK_N x its tokens, fp32, per split) fit
+    # in ~64 registers/thread
+    red_unroll = (cfg.block_n * (cfg.block_m // cfg.split_k if dist_red else cfg.block_m) * (cfg.split_k - 1)
+                  <= 64 * 32 * cfg.num_warps)
     slot_t = meta.token_lora_mapping if (has_lora and meta is not None) else dummy
     perm_t = meta.token_indices_sorted_by_lora_ids if gather else dummy
     widen_asm = 0
