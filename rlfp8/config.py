@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 # key -> allowed values (checked after composition)
 CHOICES: dict[str, tuple] = {
     "model.dtype": ("bfloat16", "float32"),
-    "engine.precision": ("bf16", "w8a8", "w8a16"),
+    "engine.precision": ("bf16", "w8a16", "w8a8", "w8a8_vllm"),
     "trainer.weights": ("fp8", "bf16"),
     "trainer.kernels": ("auto", "triton", "torch"),
     "trainer.device": ("auto", "cpu", "cuda"),
@@ -39,8 +39,10 @@ CHOICES: dict[str, tuple] = {
 POSITIVE_INT = ("steps", "adapter.rank", "algo.group_size", "algo.max_response_len", "data.prompts_per_step",
                 "engine.max_model_len", "trainer.micro_batch_tokens", "trainer.mini_batches", "trainer.epochs",
                 "trainer.logprob_chunk", "keep_checkpoints")
-NON_NEGATIVE_INT = ("eval_every", "save_every", "seed", "trainer.warmup_steps", "trainer.num_threads")
-POSITIVE_FLOAT = ("adapter.alpha", "algo.temperature", "trainer.lr", "algo.tis_cap", "trainer.grad_clip")
+NON_NEGATIVE_INT = ("eval_every", "save_every", "seed", "trainer.warmup_steps", "trainer.num_threads",
+                    "engine.parity_probe.every")
+POSITIVE_FLOAT = ("adapter.alpha", "algo.temperature", "trainer.lr", "algo.tis_cap", "trainer.grad_clip",
+                  "engine.parity_probe.factor")
 
 
 def _find_recipe(recipe: str) -> tuple[Path, str]:
@@ -122,6 +124,13 @@ def validate(cfg: DictConfig) -> None:
         v = _get(cfg, key)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
             raise ConfigError(f"{key}={v!r}: must be a number > 0")
+    if cfg.engine.parity_probe.size < 1 or cfg.engine.parity_probe.abs_tol < 0:
+        raise ConfigError("engine.parity_probe.size must be >= 1 and engine.parity_probe.abs_tol >= 0")
+    if cfg.engine.precision == "w8a8_vllm":
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError("engine.precision=w8a8_vllm (vLLM's own FP8 kernels) needs a CUDA GPU; on this machine "
+                              "use engine.precision=w8a8 (rlfp8's kernels) or w8a16 or bf16")
     if cfg.algo.clip_eps_low < 0 or cfg.algo.clip_eps_high < 0:
         raise ConfigError("algo.clip_eps_low / algo.clip_eps_high must be >= 0")
     if cfg.model.path in (None, "???"):

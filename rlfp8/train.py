@@ -42,7 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rlfp8-train: config error: {e}", file=sys.stderr)
         return 2
-    return run(cfg)
+    from rlfp8.parity import ParityError
+    try:
+        return run(cfg)
+    except ParityError as e:
+        print(f"rlfp8-train: stopped: {e}", file=sys.stderr)
+        return 3
 
 
 def _run_dir(cfg: dict) -> Path:
@@ -95,7 +100,6 @@ def run(cfg: dict) -> int:
     placement = Placement(cfg, model_path)
     import ray
     engine, trainer = placement.engine, placement.trainer
-    adapter_root = _ram_dir(run_dir)
 
     a = cfg["algo"]
     start_step = 0
@@ -105,8 +109,6 @@ def run(cfg: dict) -> int:
         train_stream.load_state_dict(state["data"])
         start_step = state["step"]
         logger.truncate_after(start_step)
-        path = ray.get(trainer.call.remote("export_adapter", str(adapter_root)))
-        ray.get(engine.call.remote("set_adapter", path))
         log.info("resumed from %s at step %d", resume_from, start_step + 1)
 
     def evaluate(step: int) -> float:
@@ -118,6 +120,24 @@ def run(cfg: dict) -> int:
         logger.log(step, {"eval/reward": r, "eval/n": len(rewards)})
         return r
 
+    probe = _make_probe(cfg, engine, trainer, [render(ex) for ex in eval_set])
+
+    def sync(step: int) -> dict:
+        """The trainer's adapter goes to the engine as tensors (in-place slot update), then the parity probe."""
+        update = ray.get(trainer.call.remote("adapter_update"))
+        ray.get(engine.call.remote("set_adapter", update))
+        every = cfg["engine"]["parity_probe"]["every"]
+        if probe is None or not every or update["version"] % every:
+            return {}
+        from rlfp8.rollout.adapter_slots import expected_checksums
+        dtype = ray.get(engine.call.remote("lora_dtype"))
+        return probe.check(version=update["version"], step=step,
+                           engine_score=lambda q, p, a: ray.get(engine.call.remote("score", q, p, a)),
+                           trainer_score=lambda q, p: ray.get(trainer.call.remote("score_tokens", q, p)),
+                           engine_checksums=ray.get(engine.call.remote("slot_checksums")),
+                           expected_checksums=expected_checksums(update, getattr(torch, dtype.split(".")[-1])))
+
+    sync(start_step)
     eval_first = evaluate(start_step) if start_step == 0 else None
     first_rewards, last_rewards = [], []
     bar = tqdm(range(start_step, cfg["steps"]), desc="rl", unit="step", initial=start_step, total=cfg["steps"],
@@ -143,9 +163,7 @@ def run(cfg: dict) -> int:
         t_train = time.time() - t1
         bar.set_description(f"step {step + 1}: sync")
         t2 = time.time()
-        path = ray.get(trainer.call.remote("export_adapter", str(adapter_root)))
-        ray.get(engine.call.remote("set_adapter", path))
-        _prune_adapters(adapter_root, keep=path)
+        metrics.update(sync(step + 1))
         placement.after_sync()
         t_sync = time.time() - t2
         resp_lens = [len(s.token_ids) for s in samples]
@@ -180,11 +198,11 @@ def run(cfg: dict) -> int:
         shutil.rmtree(final)
     shutil.move(str(run_dir / ".final" / "adapter"), str(final))
     shutil.rmtree(run_dir / ".final", ignore_errors=True)
-    kernels = ray.get(trainer.call.remote("kernel_report"))
+    kernels = {"trainer": ray.get(trainer.call.remote("kernel_report")),
+               "engine": ray.get(engine.call.remote("kernel_report")), "engine_precision": cfg["engine"]["precision"]}
     (run_dir / "kernels.json").write_text(json.dumps(kernels, indent=2))
     plot = logger.finish()
     placement.shutdown()
-    shutil.rmtree(adapter_root, ignore_errors=True)
 
     first = sum(first_rewards) / len(first_rewards) if first_rewards else float("nan")
     last = sum(last_rewards) / len(last_rewards) if last_rewards else first
@@ -201,18 +219,23 @@ def run(cfg: dict) -> int:
     return 0
 
 
-def _ram_dir(run_dir: Path) -> Path:
-    """Adapters travel to the engine through a RAM-backed folder when there is one."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else run_dir
-    d = base / f"rlfp8-{os.getpid()}-{run_dir.name}"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def _prune_adapters(root: Path, keep: str) -> None:
-    for p in root.glob("v*"):
-        if str(p) != keep:
-            shutil.rmtree(p, ignore_errors=True)
+def _make_probe(cfg: dict, engine, trainer, eval_prompts: list[list[int]]):
+    """Fixed probe sequences (the first eval prompts + the base model's greedy answers) and the pair's floor."""
+    import ray
+    from rlfp8.parity import ParityProbe
+    pcfg = cfg["engine"]["parity_probe"]
+    if not pcfg["every"]:
+        return None
+    prompts = eval_prompts[: pcfg["size"]]
+    answers = ray.get(engine.call.remote("generate", prompts, 1, 1.0, cfg["algo"]["max_response_len"],
+                                         use_adapter=False, greedy=True))
+    seqs = [prompts[s.prompt_index] + (s.token_ids or [0]) for s in answers]
+    probe = ParityProbe(seqs, [len(prompts[s.prompt_index]) for s in answers], factor=pcfg["factor"],
+                        abs_tol=pcfg["abs_tol"])
+    floor = probe.measure_floor(lambda q, p, a: ray.get(engine.call.remote("score", q, p, a)),
+                                lambda q, p: ray.get(trainer.call.remote("score_tokens", q, p, False)))
+    log.info("parity probe: %d sequences, floor (no adapter) mean |dlogp| = %.3e", len(seqs), floor)
+    return probe
 
 
 def _save_checkpoint(run_dir: Path, step: int, trainer, stream, keep: int) -> None:

@@ -43,16 +43,31 @@ def engine_env(cpu_kv_cache_gb: float) -> dict[str, str]:
     return env
 
 
+PRECISIONS = ("bf16", "w8a16", "w8a8", "w8a8_vllm")
+
+
 def quantization_for(precision: str) -> str | None:
-    """engine.precision -> vLLM `quantization=` argument (interim, until the rlfp8 quant method lands)."""
+    """engine.precision -> vLLM `quantization=` argument."""
+    from .quant_method import PRECISION_TO_QUANTIZATION
     if precision == "bf16":
         return None
-    if precision == "w8a8":
+    if precision in PRECISION_TO_QUANTIZATION:
+        return PRECISION_TO_QUANTIZATION[precision]
+    if precision == "w8a8_vllm":
         if on_cpu_build():
-            raise ValueError("engine.precision=w8a8 needs a CUDA GPU (vLLM's fp8_per_channel has no CPU kernels); "
-                             "on the CPU use engine.precision=bf16")
+            raise ValueError("engine.precision=w8a8_vllm is vLLM's own fp8_per_channel path, which needs a CUDA GPU; "
+                             "on the CPU use engine.precision=w8a8 (rlfp8's kernels) or bf16")
         return "fp8_per_channel"
-    if precision == "w8a16":
-        raise NotImplementedError("engine.precision=w8a16 needs the rlfp8 vLLM quant method (matched W8A16 "
-                                  "engine), which is not implemented yet; use bf16 or w8a8")
-    raise ValueError(f"engine.precision={precision!r}: allowed values are ['bf16', 'w8a8', 'w8a16']")
+    raise ValueError(f"engine.precision={precision!r}: allowed values are {list(PRECISIONS)}")
+
+
+def is_rlfp8_quantization(name: str | None) -> bool:
+    from .quant_method import MODES
+    return name in MODES
+
+
+def lora_adapter_manager(llm):
+    """vLLM's LoRA model manager of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, TP=1): the object
+    holding the stacked slot buffers (`modules`), `lora_index_to_id` and the CPU adapter cache."""
+    worker = llm.llm_engine.model_executor.driver_worker.worker
+    return worker.model_runner.lora_manager._adapter_manager

@@ -4,22 +4,32 @@
   log-prob under the distribution actually sampled from: vLLM's `processed_logprobs` mode (after
   temperature), `logprobs=0` (only the sampled token). Top-p/top-k truncation would change that
   distribution in ways the trainer does not reproduce, so RL sampling keeps top_p=1, top_k=-1.
-- `set_adapter(path)` registers the trainer's latest adapter. Interim method (correct, simple): a new
-  adapter folder in a RAM directory and a new LoRA id per version; vLLM's LRU evicts the old one.
-  The in-place slot update comes with the rlfp8 vLLM plugin.
-- `engine.precision`: bf16 (unquantized, model dtype) or, on a GPU, vLLM's own online
-  fp8_per_channel as the interim w8a8 (see compat.quantization_for).
+- `set_adapter(update)` takes the trainer's adapter as tensors (no files) and overwrites the resident
+  LoRA slot in place (rlfp8/rollout/adapter_slots.py); the first update registers the adapter with vLLM
+  once (one PEFT folder, deleted right after vLLM read it) and pins it.
+- `score(sequences, prompt_lens)` gives the engine's log-probs of given tokens (the parity probe).
+- `engine.precision`: w8a16 (rlfp8's matched engine: vLLM plugin, quantization="rlfp8"), w8a8 (rlfp8's
+  kernels with per-token FP8 activations), w8a8_vllm (vLLM's own fp8_per_channel + LoRA path: the
+  baseline arm, GPU only), bf16 (unquantized, model.dtype).
+The engine core runs in this process (compat.engine_env), so the LoRA manager and the model are reachable
+without RPC.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from . import compat
+from . import adapter_slots, compat
 
 log = logging.getLogger("rlfp8.rollout")
+
+ADAPTER_ID = 1          # the one LoRA id rlfp8 serves; updates overwrite its slot
 
 
 @dataclass
@@ -35,7 +45,12 @@ class RolloutEngine:
     def __init__(self, model_path: str, cfg: dict):
         """cfg: the resolved config as a plain dict (keys model, adapter, engine, seed)."""
         ecfg, mcfg = cfg["engine"], cfg["model"]
-        os.environ.update(compat.engine_env(float(ecfg.get("cpu_kv_cache_gb", 1))))
+        os.environ.update(compat.engine_env(float(ecfg["cpu_kv_cache_gb"])))
+        self.precision = ecfg["precision"]
+        quant = compat.quantization_for(self.precision)
+        if compat.is_rlfp8_quantization(quant):
+            from .vllm_plugin import register
+            register()                # the entry point does it too; explicit so a missing install is loud
         from vllm import LLM
         if compat.on_cpu_build():
             from . import cpu_lora
@@ -43,51 +58,85 @@ class RolloutEngine:
         t0 = time.time()
         self.cfg = cfg
         self.model_path = str(model_path)
-        self.precision = ecfg["precision"]
-        quant = compat.quantization_for(self.precision)
         kwargs = dict(
-            model=self.model_path, tokenizer=self.model_path, dtype=mcfg["dtype"], seed=int(cfg.get("seed", 0)),
-            enforce_eager=bool(ecfg.get("enforce_eager", True)), max_model_len=int(ecfg["max_model_len"]),
-            enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=compat.slot_rank(int(cfg["adapter"]["rank"])),
-            logprobs_mode="processed_logprobs", enable_prefix_caching=bool(ecfg.get("enable_prefix_caching", True)),
-            max_num_seqs=int(ecfg.get("max_num_seqs", 256)),
+            model=self.model_path, tokenizer=self.model_path, dtype=mcfg["dtype"], seed=int(cfg["seed"]),
+            enforce_eager=bool(ecfg["enforce_eager"]), max_model_len=int(ecfg["max_model_len"]),
+            enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=compat.slot_rank(int(cfg["adapter"]["rank"])),
+            logprobs_mode="processed_logprobs", enable_prefix_caching=bool(ecfg["enable_prefix_caching"]),
+            max_num_seqs=int(ecfg["max_num_seqs"]),
         )
         if quant:
             kwargs["quantization"] = quant
         if not compat.on_cpu_build():
-            kwargs["gpu_memory_utilization"] = float(ecfg.get("gpu_memory_utilization", 0.4))
-            if ecfg.get("kv_cache_memory_gb"):
+            kwargs["gpu_memory_utilization"] = float(ecfg["gpu_memory_utilization"])
+            if ecfg["kv_cache_memory_gb"]:
                 kwargs["kv_cache_memory_bytes"] = int(float(ecfg["kv_cache_memory_gb"]) * 2**30)
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
-        self.lora = None
+        self.lora = None                # the LoRARequest served, once an adapter was set
         self.version = 0
-        log.info("engine ready in %.1fs (vLLM %s, precision %s)", time.time() - t0, compat.vllm_version(), self.precision)
+        log.info("engine ready in %.1fs (vLLM %s, precision %s, quantization %s)", time.time() - t0,
+                 compat.vllm_version(), self.precision, quant)
 
-    def set_adapter(self, path: str | None, version: int | None = None) -> int:
-        """Serve the adapter in `path` from the next generate() on (None = base model)."""
-        from vllm.lora.request import LoRARequest
-        if path is None:
+    # ------------------------------------------------------------------ adapters
+    def _manager(self):
+        return compat.lora_adapter_manager(self.llm)
+
+    def set_adapter(self, update: dict | None) -> int:
+        """Serve `update` = {"version", "tensors": {PEFT key: tensor}, "config": PEFT config} from the next
+        generate() on, written in place into the resident slot; None serves the base model."""
+        if update is None:
             self.lora = None
             return 0
-        self.version = version if version is not None else self.version + 1
-        self.lora = LoRARequest(lora_name=f"rlfp8-v{self.version}", lora_int_id=self.version, lora_path=str(path))
+        if self.lora is None:
+            self._register(update)
+        adapter_slots.write_slot(self._manager(), ADAPTER_ID, update)
+        self.version = int(update["version"])
         return self.version
 
+    def _register(self, update: dict) -> None:
+        """First update: vLLM loads the adapter once from a folder, which goes away right after."""
+        from vllm.lora.request import LoRARequest
+        folder = Path(tempfile.mkdtemp(prefix=f"rlfp8-{os.getpid()}-adapter-"))
+        try:
+            _write_peft_folder(folder, update)
+            req = LoRARequest(lora_name="rlfp8", lora_int_id=ADAPTER_ID, lora_path=str(folder))
+            self.llm.llm_engine.add_lora(req)
+            self.llm.llm_engine.pin_lora(ADAPTER_ID)
+            manager = self._manager()
+            if ADAPTER_ID not in manager.lora_index_to_id:
+                manager.activate_adapter(ADAPTER_ID)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        self.lora = req
+
+    def slot_checksums(self) -> dict[str, float]:
+        if self.lora is None:
+            return {}
+        return adapter_slots.slot_checksums(self._manager(), ADAPTER_ID)
+
+    def lora_dtype(self) -> str:
+        return str(next(iter(adapter_slots.linear_modules(self._manager()).values())).lora_a_stacked[0].dtype)
+
+    # ------------------------------------------------------------------ sampling and scoring
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, max_tokens: int,
                  top_p: float = 1.0, top_k: int = -1, stop_token_ids: list[int] | None = None,
-                 use_adapter: bool = True, greedy: bool = False) -> list[Sample]:
-        """n samples per prompt. greedy=True (evaluation): argmax decoding, no log-probs."""
+                 use_adapter: bool = True, greedy: bool = False, seed: int | None = None) -> list[Sample]:
+        """n samples per prompt. greedy=True (evaluation): argmax decoding, no log-probs. seed: per-request
+        seeds seed + prompt index (reproducible rollouts)."""
         from vllm import SamplingParams
-        if greedy:
-            sp = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop_token_ids or None)
-        else:
-            if temperature <= 0:
-                raise ValueError(f"algo.temperature={temperature}: RL needs sampling (> 0)")
-            sp = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                                logprobs=0, stop_token_ids=stop_token_ids or None)
+        if not greedy and temperature <= 0:
+            raise ValueError(f"algo.temperature={temperature}: RL needs sampling (> 0)")
+
+        def params(i):
+            if greedy:
+                return SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop_token_ids or None)
+            return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                                  logprobs=0, stop_token_ids=stop_token_ids or None,
+                                  seed=None if seed is None else seed + i)
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
-        outs = self.llm.generate(prompts, sp, use_tqdm=False, lora_request=self.lora if use_adapter else None)
+        outs = self.llm.generate(prompts, [params(i) for i in range(len(prompts))], use_tqdm=False,
+                                 lora_request=self.lora if use_adapter else None)
         samples = []
         for i, ro in enumerate(outs):
             for c in ro.outputs:
@@ -96,9 +145,44 @@ class RolloutEngine:
                 samples.append(Sample(i, ids, lps, str(c.finish_reason), c.text))
         return samples
 
+    def score(self, sequences: list[list[int]], prompt_lens: list[int], use_adapter: bool = True) -> list[list[float]]:
+        """Log-probs (temperature 1, full vocabulary) of each sequence's tokens after its prompt."""
+        from vllm import SamplingParams
+        sp = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], sp, use_tqdm=False,
+                                 lora_request=self.lora if use_adapter else None)
+        result = []
+        for seq, p, ro in zip(sequences, prompt_lens, outs):
+            result.append([ro.prompt_logprobs[t][seq[t]].logprob for t in range(p, len(seq))])
+        return result
+
+    # ------------------------------------------------------------------ memory, kernels, phases
     def memory(self) -> dict[str, float]:
         import torch
         if torch.cuda.is_available():
             return {"memory/engine_peak_gib": torch.cuda.max_memory_reserved() / 2**30,
                     "memory/engine_reserved_gib": torch.cuda.memory_reserved() / 2**30}
         return {}
+
+    def kernel_report(self) -> dict:
+        from rlfp8.kernels import dispatch
+        return dispatch.report()
+
+    def release_kv(self) -> None:
+        raise NotImplementedError("engine.release_kv (KV-only sleep while the trainer runs) is not built yet: issue 14")
+
+    def resume_kv(self) -> None:
+        raise NotImplementedError("engine.resume_kv is not built yet: issue 14")
+
+    def export_weights(self):
+        raise NotImplementedError("export_weights (the one_copy placement) is not built yet: issue 14")
+
+
+def _write_peft_folder(folder: Path, update: dict) -> None:
+    from safetensors.torch import save_file
+    cfg = dict(update["config"])
+    for k, v in list(cfg.items()):
+        if isinstance(v, (set, tuple)):
+            cfg[k] = sorted(v)
+    (folder / "adapter_config.json").write_text(json.dumps(cfg, indent=2, default=str))
+    save_file({k: v.contiguous() for k, v in update["tensors"].items()}, str(folder / "adapter_model.safetensors"))

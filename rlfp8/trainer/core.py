@@ -291,6 +291,13 @@ class PolicyTrainer:
         save_adapter(self.model, path, self.model_path)
         return str(path)
 
+    def adapter_update(self) -> dict:
+        """The adapter as tensors for the engine's in-place sync: {"version", "tensors", "config"}."""
+        from .adapter_io import adapter_config, adapter_state_dict
+        self.adapter_version += 1
+        return {"version": self.adapter_version, "tensors": adapter_state_dict(self.model),
+                "config": adapter_config(self.model, self.model_path)}
+
     def save_checkpoint(self, ckpt_dir: str) -> None:
         d = Path(ckpt_dir)
         save_adapter(self.model, d / "adapter", self.model_path)
@@ -319,6 +326,21 @@ class PolicyTrainer:
 
     def kernel_report(self) -> dict:
         return dispatch.report()
+
+    def score_tokens(self, sequences: list[list[int]], prompt_lens: list[int], use_adapter: bool = True) -> list[list[float]]:
+        """Log-probs (temperature 1) of each sequence's tokens after its prompt: the parity probe's trainer side."""
+        batch = Rollouts(input_ids=sequences, prompt_lens=prompt_lens,
+                         rollout_logprobs=[[0.0] * (len(s) - p) for s, p in zip(sequences, prompt_lens)],
+                         advantages=[0.0] * len(sequences))
+        temperature = self.cfg["algo"]["temperature"]
+        self.cfg["algo"]["temperature"] = 1.0
+        try:
+            if use_adapter:
+                return self.score(batch)
+            with adapters_disabled(self.model):
+                return self.score(batch)
+        finally:
+            self.cfg["algo"]["temperature"] = temperature
 
     def score(self, batch: Rollouts) -> list[list[float]]:
         """Trainer log-probs of each row's response tokens (no grad): for tests and diagnostics."""

@@ -29,7 +29,7 @@ def setup(tmp_path_factory):
         for p in trainer.params:
             if p.shape[-1] == 8:                             # lora_B [N, r]: random so the adapter matters
                 p.normal_(0, 0.3)
-    adapter = trainer.export_adapter(str(tmp / "adapters"))
+    adapter = trainer.adapter_update()
     engine = RolloutEngine(str(folder), _cfg("bf16"))
     tok = engine.tokenizer
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": f"What is {a} + 3?"}],
@@ -76,9 +76,9 @@ def test_adapter_changes_generation(setup):
     assert [s.token_ids for s in base] != [s.token_ids for s in tuned]
 
 
-def test_w8a16_is_reported_not_silently_replaced():
+def test_precisions_map_to_quantization_names():
     from rlfp8.rollout.compat import quantization_for
-    with pytest.raises(NotImplementedError, match="w8a16"):
-        quantization_for("w8a16")
+    assert quantization_for("bf16") is None
+    assert quantization_for("w8a16") == "rlfp8" and quantization_for("w8a8") == "rlfp8_w8a8"
     with pytest.raises(ValueError, match="allowed values"):
         quantization_for("int4")

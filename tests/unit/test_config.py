@@ -20,7 +20,7 @@ def test_overrides_beat_the_recipe():
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("engine.precision=fp4", "engine.precision='fp4': allowed values are ['bf16', 'w8a8', 'w8a16']"),
+    ("engine.precision=fp4", "engine.precision='fp4': allowed values are ['bf16', 'w8a16', 'w8a8', 'w8a8_vllm']"),
     ("algo.loss_agg=mean", "algo.loss_agg='mean': allowed values"),
     ("trainer.weights=int8", "trainer.weights='int8'"),
     ("steps=0", "steps=0: must be an integer >= 1"),

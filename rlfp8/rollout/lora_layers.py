@@ -1,0 +1,128 @@
+"""vLLM's LoRA linear layers, subclassed so that `apply` runs rlfp8's kernels on vLLM's own stacked adapter
+buffers and per-token metadata: K1 (h = x·Aᵀ, fused with the W8A8 activation quantization) and K2 (the FP8
+GEMM with h·Bᵀ added in its epilogue), instead of vLLM's base GEMM followed by its shrink/expand kernels.
+
+The layers replace vLLM's only when the base layer's quant method is rlfp8's (`can_replace_layer`), so other
+vLLM users in the same environment keep vLLM's classes. The whole projection is one opaque custom op
+(`torch.ops.vllm.rlfp8_lora_linear(x, layer_name, out_features)`), looked up through the forward context as
+vLLM's own dual-stream LoRA does, so torch.compile sees one node and CUDA graphs capture the kernels; the op
+reads only tensors at fixed addresses and, on the GPU, vLLM's host-side `no_lora_flag_cpu` /
+`num_active_loras_cpu` (never a GPU value).
+
+Metadata: on the GPU, vLLM's LoRAKernelMeta (adapter-sorted segments, the layout K1/K2 take); on the CPU
+build the per-token slot indices of the CPU punica wrapper, sorted into the same segments by build_lora_meta.
+"""
+from __future__ import annotations
+
+import torch
+
+OP_NAME = "rlfp8_lora_linear"
+_LAYERS: list[type] = []
+
+
+def _lora_meta(layer, num_tokens: int):
+    from rlfp8.kernels import LoRAMeta, build_lora_meta
+    pw = layer.punica_wrapper
+    kernel_meta = getattr(pw, "token_mapping_meta", None)
+    if kernel_meta is not None:                                           # GPU punica wrapper
+        specialize = bool(getattr(layer.lora_config, "specialize_active_lora", True))
+        return LoRAMeta.from_vllm(kernel_meta, num_tokens, specialize)
+    slots = pw.token_lora_indices[:num_tokens]                            # CPU punica wrapper
+    return build_lora_meta(slots, layer.lora_a_stacked[0].shape[0])
+
+
+def run_projection(layer, x: torch.Tensor) -> torch.Tensor:
+    """The fused projection of one LoRA layer (eager body of the custom op)."""
+    from .quant_method import project
+    base = layer.base_layer
+    bias = base.bias if not base.skip_bias_add else None
+    x2 = x.reshape(-1, x.shape[-1])
+    meta = _lora_meta(layer, x2.shape[0])
+    if meta.no_lora:
+        return project(x, base, base.quant_method.mode, bias=bias)
+    g = getattr(layer, "rlfp8_dora_g", None)
+    g = g if getattr(layer, "rlfp8_dora_active", False) else None
+    return project(x, base, base.quant_method.mode, A=layer.lora_a_stacked, B=layer.lora_b_stacked, meta=meta,
+                   g=g, bias=bias)
+
+
+def _op_impl(x: torch.Tensor, layer_name: str, out_features: int) -> torch.Tensor:
+    from vllm.forward_context import get_forward_context
+    return run_projection(get_forward_context().no_compile_layers[layer_name], x)
+
+
+def _op_fake(x: torch.Tensor, layer_name: str, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+class _RLFP8LoRAMixin:
+    """apply() through the custom op; registration in vLLM's static forward context."""
+
+    def _rlfp8_register(self):
+        from vllm.config import get_current_vllm_config
+        self.rlfp8_layer_name = self.base_layer.prefix + ".rlfp8_lora"
+        ctx = get_current_vllm_config().compilation_config.static_forward_context
+        if self.rlfp8_layer_name in ctx:
+            raise ValueError(f"rlfp8: duplicate LoRA layer name {self.rlfp8_layer_name}")
+        ctx[self.rlfp8_layer_name] = self
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        from vllm.forward_context import is_forward_context_available
+        if is_forward_context_available():
+            return getattr(torch.ops.vllm, OP_NAME)(x, self.rlfp8_layer_name, sum(self.output_slices))
+        return run_projection(self, x)
+
+    def create_dora_scale(self) -> None:
+        """Per-slot, per-output-column DoRA scale g [S, N] fp32 (ones = LoRA), applied in K2's epilogue."""
+        S = self.lora_a_stacked[0].shape[0]
+        self.rlfp8_dora_g = torch.ones(S, sum(self.output_slices), dtype=torch.float32,
+                                       device=self.lora_a_stacked[0].device)
+        self.rlfp8_dora_active = False
+
+    @classmethod
+    def _rlfp8_can_replace(cls, source_layer) -> bool:
+        from .quant_method import MODES
+        method = getattr(source_layer, "quant_method", None)
+        return getattr(method, "mode", None) in MODES.values() and hasattr(method, "uses_meta_device")
+
+
+def make_layer_classes() -> list[type]:
+    """Subclasses of vLLM's column/merged/qkv/row LoRA layers; the plugin prepends them to
+    vllm.lora.utils._all_lora_classes (from_layer takes the first class that can replace a layer)."""
+    if _LAYERS:
+        return _LAYERS
+    from vllm.lora.layers import (ColumnParallelLinearWithLoRA, MergedColumnParallelLinearWithLoRA,
+                                  MergedQKVParallelLinearWithLoRA, QKVParallelLinearWithLoRA,
+                                  RowParallelLinearWithLoRA)
+    for parent in (MergedQKVParallelLinearWithLoRA, QKVParallelLinearWithLoRA, MergedColumnParallelLinearWithLoRA,
+                   ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA):
+        _LAYERS.append(_subclass(parent))
+    return _LAYERS
+
+
+def _subclass(parent: type) -> type:
+    def __init__(self, base_layer):
+        parent.__init__(self, base_layer)
+        self._rlfp8_register()
+
+    def create_lora_weights(self, max_loras, lora_config, model_config=None):
+        parent.create_lora_weights(self, max_loras, lora_config, model_config)
+        self.create_dora_scale()
+
+    @classmethod
+    def can_replace_layer(cls, source_layer, lora_config, packed_modules_list, model_config=None, **kw):
+        return cls._rlfp8_can_replace(source_layer) and parent.can_replace_layer.__func__(
+            cls, source_layer=source_layer, lora_config=lora_config, packed_modules_list=packed_modules_list,
+            model_config=model_config, **kw)
+
+    name = "RLFP8" + parent.__name__
+    return type(name, (_RLFP8LoRAMixin, parent), {"__init__": __init__, "create_lora_weights": create_lora_weights,
+                                                  "can_replace_layer": can_replace_layer,
+                                                  "__module__": __name__})
+
+
+def register_op() -> None:
+    from vllm.utils.torch_utils import direct_register_custom_op
+    if hasattr(torch.ops.vllm, OP_NAME):
+        return
+    direct_register_custom_op(op_name=OP_NAME, op_func=_op_impl, fake_impl=_op_fake)

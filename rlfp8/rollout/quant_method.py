@@ -1,0 +1,114 @@
+"""The rlfp8 quantization method for vLLM: a bf16 checkpoint quantized at load time into rlfp8's FP8 layout,
+every projection computed by rlfp8's kernels.
+
+Names registered by the plugin (rlfp8/rollout/vllm_plugin.py):
+  quantization="rlfp8"        the matched W8A16 engine: FP8 weights widened in registers, 16-bit activations,
+                              fp32 accumulation, the FP8 trainer's arithmetic;
+  quantization="rlfp8_w8a8"   activations rounded to FP8 per token (vLLM's dynamic per-token formula).
+Both hold `weight` as float8_e4m3fn codes [N, K] (the nn.Linear layout; fused qkv / gate_up are row
+concatenations, as in the checkpoint) and `weight_scale` fp32 [N], produced by `rlfp8.kernels.quantize_weight`
+— the trainer's quantizer, so engine and trainer hold bit-identical codes.
+
+Loading follows vLLM's online FP8: the 16-bit weight is registered on the meta device and vLLM's layerwise
+loader materialises one layer at a time, so no full 16-bit copy of the model is ever resident.
+
+Without a LoRA adapter the layer's `apply` runs the base GEMM (K2 without epilogue); with LoRA enabled the
+plugin's LoRA layers (lora_layers.py) take over `apply` and run K1 + K2 with the adapters in the epilogue.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlfp8.kernels import dispatch
+
+# quantization name -> kernel mode
+MODES = {"rlfp8": "w8a16", "rlfp8_w8a8": "w8a8"}
+# engine.precision -> quantization name (bf16 and w8a8_vllm are not ours: see engine.py)
+PRECISION_TO_QUANTIZATION = {"w8a16": "rlfp8", "w8a8": "rlfp8_w8a8"}
+
+
+def make_classes():
+    """Build the vLLM classes (imports vLLM; called by the plugin's register())."""
+    from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
+    from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+    from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
+    from vllm.model_executor.parameter import ModelWeightParameter
+    from vllm.model_executor.utils import replace_parameter
+
+    class RLFP8LinearMethod(LinearMethodBase):
+        uses_meta_device = True             # vLLM's layerwise loader materialises one layer at a time
+
+        def __init__(self, mode: str):
+            self.mode = mode
+
+        def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
+                           output_size, params_dtype, **extra_weight_attrs):
+            layer.logical_widths = output_partition_sizes
+            layer.input_size_per_partition = input_size_per_partition
+            layer.output_size_per_partition = sum(output_partition_sizes)
+            layer.orig_dtype = params_dtype
+            weight = ModelWeightParameter(
+                data=torch.empty(layer.output_size_per_partition, input_size_per_partition, device="meta",
+                                 dtype=params_dtype),
+                input_dim=1, output_dim=0, weight_loader=extra_weight_attrs.get("weight_loader"))
+            layer.register_parameter("weight", weight)
+            initialize_online_processing(layer)
+
+        def process_weights_after_loading(self, layer) -> None:
+            if getattr(layer, "_rlfp8_quantized", False):
+                return
+            from rlfp8.kernels import quantize_weight
+            q, scale = quantize_weight(layer.weight.data)
+            replace_parameter(layer, "weight", q)                 # [N, K] e4m3, row-major
+            replace_parameter(layer, "weight_scale", scale)       # [N] fp32
+            layer._rlfp8_quantized = True
+
+        def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            return project(x, layer, self.mode, bias=bias)
+
+    class RLFP8Config(QuantizationConfig):
+        mode = "w8a16"
+        name = "rlfp8"
+
+        def get_name(self):
+            return self.name
+
+        def get_supported_act_dtypes(self) -> list[torch.dtype]:
+            return [torch.bfloat16, torch.float16, torch.float32]
+
+        @classmethod
+        def get_min_capability(cls) -> int:
+            return 89 if cls.mode == "w8a8" else 80
+
+        @staticmethod
+        def get_config_filenames() -> list[str]:
+            return []                            # a bf16 checkpoint: vLLM calls cls() without a config file
+
+        @classmethod
+        def from_config(cls, config: dict[str, Any]):
+            return cls()
+
+        def get_quant_method(self, layer, prefix: str):
+            if isinstance(layer, LinearBase):
+                return RLFP8LinearMethod(self.mode)
+            return None                          # embeddings, lm_head, attention: unquantized
+
+    class RLFP8W8A8Config(RLFP8Config):
+        mode = "w8a8"
+        name = "rlfp8_w8a8"
+
+    return RLFP8LinearMethod, {"rlfp8": RLFP8Config, "rlfp8_w8a8": RLFP8W8A8Config}
+
+
+def project(x: torch.Tensor, layer, mode: str, *, A=None, B=None, meta=None, g=None, bias=None) -> torch.Tensor:
+    """One engine projection on the layer's FP8 codes: rlfp8.kernels.fp8_lora_linear (K1 + K2), Triton on CUDA,
+    the torch references on the CPU; the dispatch records which path ran (engine.kernel_report())."""
+    from rlfp8.kernels import fp8_lora_linear
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    dispatch.record("engine.projection", mode)
+    y = fp8_lora_linear(x2, layer.weight, layer.weight_scale, A, B, meta, mode=mode, g=g, bias=bias,
+                        out_dtype=x.dtype if x.dtype != torch.float8_e4m3fn else torch.bfloat16)
+    return y.reshape(*lead, y.shape[-1])

