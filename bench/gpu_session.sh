@@ -8,6 +8,8 @@
 #   kernels  gputests (the GPU kernel tests), then bench (bench/kernels.py, writes
 #            bench/results/kernels_h200.json; TUNE_S / TUNE_KEYS control the tuning)
 #   e2e      bench/e2e.py: tiny end to end, then the quickstart with engine.precision=bf16 and w8a8
+#   plugin   the vLLM plugin's GPU tests (matched layer stack, vLLM 0.26 eager and CUDA graphs)
+#   serve    bench/serve.py (ENGINES=comma list; appends to bench/results/serve_h200.json under $OUT)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -45,6 +47,14 @@ e2e)
     $PY bench/e2e.py --out "$OUT/e2e_h200.json" --runs-root /tmp/runs --timeout ${RUN_TIMEOUT:-300} "$@" 2>&1 | tail -80
     for f in /tmp/runs/*.log; do tail -c 20000 "$f" > "$OUT/$(basename "$f")"; done
     ;;
+plugin)
+    timeout 400 $PY -m pytest tests/gpu/test_plugin_gpu.py -m gpu -q -rs -x --timeout 380 2>&1 | tee "$OUT/plugin_tests.log" | tail -25
+    ;;
+serve)
+    mkdir -p "$OUT/r"; [ -f "$OUT/r/serve_h200.json" ] || cp bench/results/serve_h200.json "$OUT/r/" 2>/dev/null
+    timeout 560 $PY bench/serve.py --out "$OUT/r/serve_h200.json" --engines "${ENGINES:-ours_w8a16,vllm_bf16}" 2>&1 | tail -40
+    cp /tmp/rlfp8-serve/*.log "$OUT/" 2>/dev/null
+    ;;
 *)
-    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e [--run NAME:overrides ...]"; exit 2 ;;
+    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve [--run NAME:overrides ...]"; exit 2 ;;
 esac
