@@ -64,25 +64,38 @@ class LoRALinearRef(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, q, scale, A, B, h = ctx.saved_tensors
-        s = ctx.lora_scale
-        dy2 = _flat(dy).to(torch.float32)                             # [M, N]
-        x2 = _flat(x).to(torch.float32)                               # [M, K]
-        dx = dA = dB = None
-        gy = dy2 * scale.to(torch.float32) if scale is not None else dy2
+        A_c = B_c = None
         if A is not None:
             A_c = A.to(x.dtype).to(torch.float32)
-            B_c = (B * s).to(x.dtype).to(torch.float32)
-            dh = dy2 @ B_c                                            # [M, r]
-        if ctx.needs_input_grad[0]:
-            dx = gy @ q.to(torch.float32)                             # [M, K]
-            if A is not None:
-                dx = dx + dh @ A_c
-            dx = dx.to(x.dtype).reshape(x.shape)
-        if A is not None and ctx.needs_input_grad[3]:
-            dA = (dh.t() @ x2).to(A.dtype)                            # [r, K]
-        if B is not None and ctx.needs_input_grad[4]:
-            dB = (s * (dy2.t() @ h)).to(B.dtype)                      # [N, r]
-        return dx, None, None, dA, dB, None, None
+            B_c = (B * ctx.lora_scale).to(x.dtype).to(torch.float32)
+        needs = ctx.needs_input_grad
+        dx, dA, dB = lora_backward_ref(dy, x, q, scale, A_c, B_c, h, ctx.lora_scale, needs[0],
+                                       A is not None and needs[3], B is not None and needs[4])
+        return (dx, None, None, None if dA is None else dA.to(A.dtype), None if dB is None else dB.to(B.dtype),
+                None, None)
+
+
+def lora_backward_ref(dy, x, q, w_scale, A_c, B_c, h, lora_scale: float, need_dx: bool, need_dA: bool,
+                      need_dB: bool):
+    """The reference backward: dx = (dy ⊙ w_scale)·q + (dy·B_c)·A_c (x.dtype, x's shape), dA = (dy·B_c)ᵀ·x,
+    dB = s·dyᵀ·h (fp32; None where not needed). A_c [r, K], B_c [N, r] fp32 as the forward rounded them (None
+    = no adapter); w_scale [N] (None for a dense weight). DoRA calls it with w_scale·g and g·B_c."""
+    dy2 = _flat(dy).to(torch.float32)                                 # [M, N]
+    x2 = _flat(x).to(torch.float32)                                   # [M, K]
+    dx = dA = dB = None
+    if A_c is not None:
+        dh = dy2 @ B_c                                                # [M, r]
+    if need_dx:
+        gy = dy2 * w_scale.to(torch.float32) if w_scale is not None else dy2
+        dx = gy @ q.to(torch.float32)                                 # [M, K]
+        if A_c is not None:
+            dx = dx + dh @ A_c
+        dx = dx.to(x.dtype).reshape(x.shape)
+    if A_c is not None and need_dA:
+        dA = dh.t() @ x2                                              # [r, K]
+    if A_c is not None and need_dB:
+        dB = lora_scale * (dy2.t() @ h)                               # [N, r]
+    return dx, dA, dB
 
 
 def dense_lora_linear(x, weight, A, B, lora_scale: float, bias=None):
