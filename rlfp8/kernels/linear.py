@@ -29,6 +29,14 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 def lora_linear_forward_ref(x, q, scale, A, B, lora_scale: float, bias=None):
     """Reference forward. x [..., K]; q [N, K] fp8 (or a dense [N, K] weight with scale=None);
     A [r, K]; B [N, r]; returns (y [..., N] in x.dtype, h [M, r] fp32)."""
+    y, h = lora_linear_fp32_ref(x, q, scale, A, B, lora_scale)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype).reshape(*x.shape[:-1], q.shape[0]), h
+
+
+def lora_linear_fp32_ref(x, q, scale, A, B, lora_scale: float):
+    """The fp32 accumulator before bias and rounding: (s_w ⊙ x·qᵀ + h·B_cᵀ [M, N] fp32, h [M, r] fp32 or None)."""
     x2 = _flat(x).to(torch.float32)                                   # [M, K]
     acc = x2 @ q.to(torch.float32).t()                                # [M, N] fp32, transient fp32 weight
     y = acc * scale.to(torch.float32) if scale is not None else acc
@@ -38,9 +46,7 @@ def lora_linear_forward_ref(x, q, scale, A, B, lora_scale: float, bias=None):
         B_c = (B * lora_scale).to(x.dtype).to(torch.float32)          # [N, r]
         h = x2 @ A_c.t()                                              # [M, r] fp32
         y = y + h @ B_c.t()
-    if bias is not None:
-        y = y + bias.to(torch.float32)
-    return y.to(x.dtype).reshape(*x.shape[:-1], q.shape[0]), h
+    return y, h
 
 
 def dy_prep_ref(dy: torch.Tensor, w_scale: torch.Tensor, B_c: torch.Tensor | None = None):
