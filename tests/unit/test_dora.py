@@ -206,3 +206,61 @@ def test_adapter_file_is_peft_dora_and_roundtrips(tmp_path):
     apply_lora(plain, rank=4, alpha=8, targets=TARGETS)
     with pytest.raises(ValueError, match="use_dora=True.*adapter.type=dora"):
         load_adapter(plain, tmp_path / "a")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from rlfp8.trainer.hf_models import make_tiny_qwen3
+    return str(make_tiny_qwen3(tmp_path_factory.mktemp("m") / "tiny", seed=3))
+
+
+def _trainer_cfg():
+    from tests.unit.test_trainer import _cfg
+    cfg = _cfg()
+    cfg["adapter"] = {"rank": 4, "alpha": 8, "type": "dora"}
+    return cfg
+
+
+def test_trained_adapter_loads_in_peft_with_same_logits(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rlfp8.trainer.core import PolicyTrainer
+    from tests.unit.test_trainer import _batch, _randomize_B
+    tr = PolicyTrainer(tiny, _trainer_cfg())
+    assert all(isinstance(m, FP8DoRALinear) for m in lora_modules(tr.model).values())
+    assert len(tr.params) == 3 * len(tr.replaced)                               # A, B and m per projection
+    _randomize_B(tr)
+    m0 = [m.lora_magnitude_vector.detach().clone() for m in lora_modules(tr.model).values()]
+    tr.train_step(_batch())
+    assert any(not torch.equal(a, m.lora_magnitude_vector) for a, m in zip(m0, lora_modules(tr.model).values()))
+    path = tr.export_adapter(str(tmp_path))
+    base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    with torch.no_grad():                        # the oracle's base: the dequantized FP8 weights
+        for name, m in lora_modules(tr.model).items():
+            base.get_submodule(name).weight.copy_(dequantize_weight(m.qweight, m.weight_scale))
+    pm = peft.PeftModel.from_pretrained(base, path)
+    assert pm.peft_config["default"].use_dora
+    ids = torch.randint(0, 300, (2, 19))
+    tr.model.eval()
+    pm.eval()
+    with torch.no_grad():
+        ours, ref = tr.model(ids).logits, pm(ids).logits
+    assert rel_err(ours, ref) <= 1e-5
+
+
+def test_resume_restores_magnitudes(tiny, tmp_path):
+    from rlfp8.trainer.core import PolicyTrainer
+    from tests.unit.test_trainer import _batch, _randomize_B
+    tr = PolicyTrainer(tiny, _trainer_cfg())
+    _randomize_B(tr)
+    tr.train_step(_batch())
+    tr.save_checkpoint(str(tmp_path / "ck"))
+    fresh = PolicyTrainer(tiny, _trainer_cfg())
+    fresh.load_checkpoint(str(tmp_path / "ck"))
+    mags = [(a.lora_magnitude_vector, b.lora_magnitude_vector)
+            for a, b in zip(lora_modules(tr.model).values(), lora_modules(fresh.model).values())]
+    assert all(torch.equal(a, b) for a, b in mags)
+    assert all(torch.equal(a, b) for a, b in zip(tr.params, fresh.params))
+    m1, m2 = tr.train_step(_batch(seed=3)), fresh.train_step(_batch(seed=3))  # norm caches recomputed after load
+    assert all(torch.equal(a, b) for a, b in zip(tr.params, fresh.params))
+    assert m1["train/loss"] == m2["train/loss"]
