@@ -33,7 +33,7 @@ CHOICES: dict[str, tuple] = {
     "algo.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "algo.correction": ("none", "tis", "seq_tis", "token_mask", "seq_mask"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
-    "adapter.type": ("lora",),
+    "adapter.type": ("lora", "dora"),
     "logger.wandb.mode": ("auto", "online", "offline", "disabled"),
 }
 POSITIVE_INT = ("steps", "adapter.rank", "algo.group_size", "algo.max_response_len", "data.prompts_per_step",

@@ -29,6 +29,14 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 def lora_linear_forward_ref(x, q, scale, A, B, lora_scale: float, bias=None):
     """Reference forward. x [..., K]; q [N, K] fp8 (or a dense [N, K] weight with scale=None);
     A [r, K]; B [N, r]; returns (y [..., N] in x.dtype, h [M, r] fp32)."""
+    y, h = lora_linear_fp32_ref(x, q, scale, A, B, lora_scale)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype).reshape(*x.shape[:-1], q.shape[0]), h
+
+
+def lora_linear_fp32_ref(x, q, scale, A, B, lora_scale: float):
+    """The fp32 accumulator before bias and rounding: (s_w ⊙ x·qᵀ + h·B_cᵀ [M, N] fp32, h [M, r] fp32 or None)."""
     x2 = _flat(x).to(torch.float32)                                   # [M, K]
     acc = x2 @ q.to(torch.float32).t()                                # [M, N] fp32, transient fp32 weight
     y = acc * scale.to(torch.float32) if scale is not None else acc
@@ -38,9 +46,7 @@ def lora_linear_forward_ref(x, q, scale, A, B, lora_scale: float, bias=None):
         B_c = (B * lora_scale).to(x.dtype).to(torch.float32)          # [N, r]
         h = x2 @ A_c.t()                                              # [M, r] fp32
         y = y + h @ B_c.t()
-    if bias is not None:
-        y = y + bias.to(torch.float32)
-    return y.to(x.dtype).reshape(*x.shape[:-1], q.shape[0]), h
+    return y, h
 
 
 def dy_prep_ref(dy: torch.Tensor, w_scale: torch.Tensor, B_c: torch.Tensor | None = None):
@@ -64,25 +70,38 @@ class LoRALinearRef(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, q, scale, A, B, h = ctx.saved_tensors
-        s = ctx.lora_scale
-        dy2 = _flat(dy).to(torch.float32)                             # [M, N]
-        x2 = _flat(x).to(torch.float32)                               # [M, K]
-        dx = dA = dB = None
-        gy = dy2 * scale.to(torch.float32) if scale is not None else dy2
+        A_c = B_c = None
         if A is not None:
             A_c = A.to(x.dtype).to(torch.float32)
-            B_c = (B * s).to(x.dtype).to(torch.float32)
-            dh = dy2 @ B_c                                            # [M, r]
-        if ctx.needs_input_grad[0]:
-            dx = gy @ q.to(torch.float32)                             # [M, K]
-            if A is not None:
-                dx = dx + dh @ A_c
-            dx = dx.to(x.dtype).reshape(x.shape)
-        if A is not None and ctx.needs_input_grad[3]:
-            dA = (dh.t() @ x2).to(A.dtype)                            # [r, K]
-        if B is not None and ctx.needs_input_grad[4]:
-            dB = (s * (dy2.t() @ h)).to(B.dtype)                      # [N, r]
-        return dx, None, None, dA, dB, None, None
+            B_c = (B * ctx.lora_scale).to(x.dtype).to(torch.float32)
+        needs = ctx.needs_input_grad
+        dx, dA, dB = lora_backward_ref(dy, x, q, scale, A_c, B_c, h, ctx.lora_scale, needs[0],
+                                       A is not None and needs[3], B is not None and needs[4])
+        return (dx, None, None, None if dA is None else dA.to(A.dtype), None if dB is None else dB.to(B.dtype),
+                None, None)
+
+
+def lora_backward_ref(dy, x, q, w_scale, A_c, B_c, h, lora_scale: float, need_dx: bool, need_dA: bool,
+                      need_dB: bool):
+    """The reference backward: dx = (dy ⊙ w_scale)·q + (dy·B_c)·A_c (x.dtype, x's shape), dA = (dy·B_c)ᵀ·x,
+    dB = s·dyᵀ·h (fp32; None where not needed). A_c [r, K], B_c [N, r] fp32 as the forward rounded them (None
+    = no adapter); w_scale [N] (None for a dense weight). DoRA calls it with w_scale·g and g·B_c."""
+    dy2 = _flat(dy).to(torch.float32)                                 # [M, N]
+    x2 = _flat(x).to(torch.float32)                                   # [M, K]
+    dx = dA = dB = None
+    if A_c is not None:
+        dh = dy2 @ B_c                                                # [M, r]
+    if need_dx:
+        gy = dy2 * w_scale.to(torch.float32) if w_scale is not None else dy2
+        dx = gy @ q.to(torch.float32)                                 # [M, K]
+        if A_c is not None:
+            dx = dx + dh @ A_c
+        dx = dx.to(x.dtype).reshape(x.shape)
+    if A_c is not None and need_dA:
+        dA = dh.t() @ x2                                              # [r, K]
+    if A_c is not None and need_dB:
+        dB = lora_scale * (dy2.t() @ h)                               # [N, r]
+    return dx, dA, dB
 
 
 def dense_lora_linear(x, weight, A, B, lora_scale: float, bias=None):

@@ -188,40 +188,52 @@ class LoRALinearTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, q, scale, A, B, A_c, B_c, h = ctx.saved_tensors
-        s = ctx.lora_scale
-        N = q.shape[0]
-        dy2 = dy.reshape(-1, N).to(x2.dtype)
-        if dy2.stride(-1) != 1:
-            dy2 = dy2.contiguous()
-        dx = dA = dB = None
-        # dA and dB are skinny, memory-bound GEMMs: on CUDA they run on a side stream while the main stream
-        # runs the compute-bound dx GEMM (dB needs only dy and h: it starts at once; dA waits for dh)
-        side = _side_stream(dy2.device) if dy2.is_cuda else None
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(dy2.device))
-        if B is not None and ctx.needs_input_grad[4]:
-            with _on(side):
-                dB = (s * _mm_f32(dy2.t(), h[0].to(x2.dtype))).to(B.dtype)      # [N, r]
-        dh = None
-        if ctx.needs_input_grad[0]:
-            gy, dh = dy_prep_triton(dy2, scale, B_c)                           # [T, N] x.dtype, [T, r] fp32
-            dh_ready = _record(dy2.device) if side is not None else None
-            lora = dict(h=dh[None], B=A_c.t()[None]) if A is not None else {}
-            dx = lora_gemm_triton(gy, q.t(), None, out_dtype=x2.dtype, **lora).reshape(ctx.x_shape)
-        elif A is not None:
-            dh = _mm_f32(dy2, B_c)                                              # [T, r] fp32
-            dh_ready = _record(dy2.device) if side is not None else None
-        if A is not None and ctx.needs_input_grad[3]:
-            with _on(side):
-                if side is not None:
-                    side.wait_event(dh_ready)
-                dA = _mm_f32(dh.to(x2.dtype).t(), x2).to(A.dtype)                  # [r, K]
-        if side is not None:                                                    # join; outputs made on the side
-            torch.cuda.current_stream(dy2.device).wait_stream(side)
-            for t in (dA, dB):
-                if t is not None:
-                    t.record_stream(torch.cuda.current_stream(dy2.device))
-        return dx, None, None, dA, dB, None, None
+        needs = ctx.needs_input_grad
+        dx, dA, dB = lora_backward_triton(dy, x2, q, scale, A_c, B_c, h, ctx.lora_scale, ctx.x_shape, needs[0],
+                                          A is not None and needs[3], B is not None and needs[4])
+        return (dx, None, None, None if dA is None else dA.to(A.dtype), None if dB is None else dB.to(B.dtype),
+                None, None)
+
+
+def lora_backward_triton(dy, x2, q, w_scale, A_c, B_c, h, lora_scale: float, x_shape, need_dx: bool,
+                         need_dA: bool, need_dB: bool):
+    """The backward of the module docstring: dx (x.dtype, x_shape), dA [r, K] and dB [N, r] fp32 (None where
+    not needed). x2 [T, K] 16-bit; A_c [r, K], B_c [N, r] in x2.dtype (None = no adapter); h [1, T, r] fp32.
+    DoRA calls it with w_scale·g and g·B_c (linear.lora_backward_ref is the reference)."""
+    s = lora_scale
+    N = q.shape[0]
+    dy2 = dy.reshape(-1, N).to(x2.dtype)
+    if dy2.stride(-1) != 1:
+        dy2 = dy2.contiguous()
+    dx = dA = dB = None
+    # dA and dB are skinny, memory-bound GEMMs: on CUDA they run on a side stream while the main stream
+    # runs the compute-bound dx GEMM (dB needs only dy and h: it starts at once; dA waits for dh)
+    side = _side_stream(dy2.device) if dy2.is_cuda else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream(dy2.device))
+    if A_c is not None and need_dB:
+        with _on(side):
+            dB = s * _mm_f32(dy2.t(), h[0].to(x2.dtype))                       # [N, r]
+    dh = None
+    if need_dx:
+        gy, dh = dy_prep_triton(dy2, w_scale, B_c)                             # [T, N] x.dtype, [T, r] fp32
+        dh_ready = _record(dy2.device) if side is not None else None
+        lora = dict(h=dh[None], B=A_c.t()[None]) if A_c is not None else {}
+        dx = lora_gemm_triton(gy, q.t(), None, out_dtype=x2.dtype, **lora).reshape(x_shape)
+    elif A_c is not None:
+        dh = _mm_f32(dy2, B_c)                                                  # [T, r] fp32
+        dh_ready = _record(dy2.device) if side is not None else None
+    if A_c is not None and need_dA:
+        with _on(side):
+            if side is not None:
+                side.wait_event(dh_ready)
+            dA = _mm_f32(dh.to(x2.dtype).t(), x2)                               # [r, K]
+    if side is not None:                                                        # join; outputs made on the side
+        torch.cuda.current_stream(dy2.device).wait_stream(side)
+        for t in (dA, dB):
+            if t is not None:
+                t.record_stream(torch.cuda.current_stream(dy2.device))
+    return dx, dA, dB
 
 
 def lora_linear_triton(x, q, scale, A, B, lora_scale: float, bias=None):

@@ -27,6 +27,7 @@ import torch
 from rlfp8 import algos
 from rlfp8.kernels import dispatch
 from .adapter_io import load_adapter, save_adapter
+from .dora import trainable_params
 from .fp8_lora import DEFAULT_TARGETS, adapters_disabled, apply_lora, lora_modules
 from .logprobs import sequence_logprobs
 
@@ -81,7 +82,7 @@ class PolicyTrainer:
         self.replaced = apply_lora(model, rank=int(acfg["rank"]), alpha=float(acfg["alpha"]),
                                    targets=acfg.get("target_modules") or DEFAULT_TARGETS,
                                    use_rslora=bool(acfg.get("use_rslora", False)), weights=tcfg["weights"],
-                                   device=self.device)
+                                   device=self.device, adapter_type=acfg.get("type", "lora"))
         model.to(self.device)
         model.config.use_cache = False
         if tcfg.get("gradient_checkpointing", False):
@@ -92,7 +93,7 @@ class PolicyTrainer:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         self.model = model
-        self.params = [p for m in lora_modules(model).values() for p in (m.lora_A, m.lora_B)]
+        self.params = [p for m in lora_modules(model).values() for p in trainable_params(m).values()]
         betas = tuple(tcfg.get("betas", (0.9, 0.999)))
         self.optimizer = torch.optim.AdamW(self.params, lr=float(tcfg["lr"]), betas=betas,
                                            weight_decay=float(tcfg.get("weight_decay", 0.0)), eps=1e-8)

@@ -24,6 +24,7 @@ assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTER
 import torch  # noqa: E402
 
 from rlfp8.kernels import _triton_utils as tu  # noqa: E402
+from rlfp8.kernels.dora_triton import col_dot_triton, norm_pieces_triton  # noqa: E402
 from rlfp8.kernels.fp8_triton import quantize_activation_triton, quantize_weight_triton  # noqa: E402
 from rlfp8.kernels.linear_triton import dy_prep_triton  # noqa: E402
 from rlfp8.kernels.lora_gemm import (M_BUCKETS, GemmConfig, _tuned_table, gemm_config,  # noqa: E402
@@ -79,6 +80,8 @@ def collect() -> list:
             lora_gemm_triton(x, q, sw, h=torch.empty(1, T, r), B=B1[None])
             lora_gemm_triton(dy, q.t(), None, h=torch.empty(1, T, r), B=A1.t()[None])
             dy_prep_triton(dy, torch.empty(N), _e(N, r))
+            norm_pieces_triton(q, sw, torch.empty(384, K))                 # DoRA's norm pieces (bf16x2)
+            col_dot_triton(dy, dy)                                         # DoRA's dm column dot
         # TMA weight loads (a tuning option) at three buckets, both modes
         K, N = 4096, 6144
         q, sw = _e(N, K, dtype=FP8), torch.empty(N)

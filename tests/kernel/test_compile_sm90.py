@@ -31,7 +31,7 @@ def compiled():
 def test_all_kernels_compile(compiled):
     names = {r["name"] for r in compiled}
     assert names == {"_quant_rows_kernel", "_lora_shrink_kernel", "_lora_gemm_kernel", "_dy_prep_kernel",
-                     "_lora_gemm_rs_kernel"}, names
+                     "_lora_gemm_rs_kernel", "_norm_pieces_kernel", "_col_dot_kernel"}, names
     failed = [f"{r['name']} {r.get('constexprs')}: {r['error']}" for r in compiled if not r["ok"]]
     assert not failed, "\n".join(failed)
     too_big = [(r["name"], r["shared"], r["constexprs"]) for r in compiled if r["shared"] > SMEM_MAX]

@@ -16,8 +16,8 @@ def tiny(tmp_path_factory):
     return str(make_tiny_qwen3(tmp_path_factory.mktemp("m") / "tiny", seed=2))
 
 
-def _cfg(**trainer):
-    return {"seed": 0, "model": {"dtype": "float32"}, "adapter": {"rank": 4, "alpha": 8},
+def _cfg(adapter_type="lora", **trainer):
+    return {"seed": 0, "model": {"dtype": "float32"}, "adapter": {"rank": 4, "alpha": 8, "type": adapter_type},
             "trainer": {"weights": "fp8", "lr": 1e-3, "micro_batch_tokens": 4096, "device": "cpu", **trainer},
             "algo": {"temperature": 0.9, "loss_agg": "token-mean", "correction": "tis", "clip_eps_low": 0.2,
                      "clip_eps_high": 0.28, "max_response_len": 12}}
@@ -83,12 +83,13 @@ def test_non_finite_gradient_skips_the_step(tiny):
     assert m["train/skipped_steps"] == 1 and any(not torch.equal(a, b) for a, b in zip(before, tr.params))
 
 
-def test_checkpoint_round_trip(tiny, tmp_path):
-    tr = PolicyTrainer(tiny, _cfg())
+@pytest.mark.parametrize("adapter_type", ["lora", "dora"])        # dora: params include m, so resume restores it
+def test_checkpoint_round_trip(tiny, tmp_path, adapter_type):
+    tr = PolicyTrainer(tiny, _cfg(adapter_type))
     _randomize_B(tr)
     tr.train_step(_batch())
     tr.save_checkpoint(str(tmp_path / "ck"))
-    fresh = PolicyTrainer(tiny, _cfg())
+    fresh = PolicyTrainer(tiny, _cfg(adapter_type))
     fresh.load_checkpoint(str(tmp_path / "ck"))
     assert fresh.step == 1 and all(torch.equal(a, b) for a, b in zip(tr.params, fresh.params))
     m1, m2 = tr.train_step(_batch(seed=3)), fresh.train_step(_batch(seed=3))
