@@ -126,6 +126,10 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={v!r}: must be a number > 0")
     if cfg.engine.parity_probe.size < 1 or cfg.engine.parity_probe.abs_tol < 0:
         raise ConfigError("engine.parity_probe.size must be >= 1 and engine.parity_probe.abs_tol >= 0")
+    if cfg.adapter.type == "dora" and cfg.engine.precision not in ("w8a16", "w8a8"):
+        raise ConfigError(f"adapter.type=dora with engine.precision={cfg.engine.precision}: vLLM's own LoRA kernels cannot "
+                          "serve DoRA; use engine.precision=w8a16 (the matched engine) or w8a8, which apply DoRA's "
+                          "column scale in rlfp8's GEMM epilogue")
     if cfg.engine.precision == "w8a8_vllm":
         import torch
         if not torch.cuda.is_available():

@@ -17,6 +17,17 @@ import math
 import torch
 
 PREFIX = "base_model.model."
+MAGNITUDE = ".lora_magnitude_vector"          # PEFT's DoRA magnitude key suffix (m [N] per module)
+
+
+def is_magnitude_key(key: str) -> bool:
+    return key.endswith(MAGNITUDE) or key.endswith(MAGNITUDE + ".weight")
+
+
+def lora_part(update: dict) -> dict:
+    """The update without DoRA's magnitudes and flag: what vLLM's own loader accepts (it rejects DoRA)."""
+    cfg = {k: v for k, v in update["config"].items() if k != "use_dora"}
+    return {**update, "config": cfg, "tensors": {k: v for k, v in update["tensors"].items() if not is_magnitude_key(k)}}
 
 
 def lora_scaling(config: dict) -> float:
@@ -29,6 +40,8 @@ def cast_like_trainer(update: dict, dtype: torch.dtype) -> dict[str, torch.Tenso
     s = lora_scaling(update["config"])
     out = {}
     for key, t in update["tensors"].items():
+        if is_magnitude_key(key):
+            continue
         if key.endswith(".lora_B.weight"):
             out[key] = (t.to(torch.float32) * s).to(dtype)
         elif key.endswith(".lora_A.weight"):
@@ -74,10 +87,40 @@ def write_slot(manager, lora_id: int, update: dict) -> None:
                 module.lora_a_stacked[i][slot, 0, : a.shape[0], : a.shape[1]].copy_(a)
                 module.lora_b_stacked[i][slot, 0, : b.shape[0], : b.shape[1]].copy_(b)
         _write_cpu_copy(cpu_model, name, a_list, b_list)
+        _write_dora_scale(name, module, slot, parent, subs, update)
     unknown = sorted(set(cast) - used)
     if unknown:
         raise KeyError(f"adapter update v{update['version']}: tensors for modules the engine does not adapt: "
                        f"{unknown[:4]} (vLLM LoRA modules: {sorted(modules)[:4]}...)")
+
+
+def _write_dora_scale(name, module, slot, parent, subs, update) -> None:
+    """DoRA: g = m / ||W + sBA||_row per output column from the engine's own FP8 codes (bit-identical to the
+    trainer's) and the update's fp32 masters, the trainer's arithmetic; K2's epilogue applies it."""
+    t = update["tensors"]
+    keys = [next((k for k in (f"{PREFIX}{parent}.{sub}{MAGNITUDE}", f"{PREFIX}{parent}.{sub}{MAGNITUDE}.weight")
+                  if k in t), None) for sub in subs]
+    if all(k is None for k in keys):
+        if hasattr(module, "rlfp8_dora_g"):
+            module.rlfp8_dora_g[slot] = 1.0
+        return
+    if not getattr(module, "rlfp8_dora_active", False):
+        raise ValueError(f"adapter update v{update['version']}: a DoRA adapter (adapter.type=dora) needs rlfp8's "
+                         f"engine kernels (engine.precision=w8a16 or w8a8) started for DoRA (adapter.type=dora); {name} is not")
+    from rlfp8.kernels.dora import dora_column_scale
+    base, s = module.base_layer, lora_scaling(update["config"])
+    dev = base.weight.device
+    start = 0
+    for sub, key, width in zip(subs, keys, module.output_slices):
+        rows = slice(start, start + width)
+        start += width
+        if key is None:
+            module.rlfp8_dora_g[slot, rows] = 1.0
+            continue
+        A = t[f"{PREFIX}{parent}.{sub}.lora_A.weight"].to(dev, torch.float32)
+        B = t[f"{PREFIX}{parent}.{sub}.lora_B.weight"].to(dev, torch.float32)
+        g = dora_column_scale(t[key].to(dev, torch.float32), base.weight[rows], base.weight_scale[rows], A, B, s)
+        module.rlfp8_dora_g[slot, rows].copy_(g)
 
 
 def _check_shapes(name, module, a_list, b_list) -> None:

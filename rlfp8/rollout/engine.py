@@ -46,6 +46,7 @@ class RolloutEngine:
         """cfg: the resolved config as a plain dict (keys model, adapter, engine, seed)."""
         ecfg, mcfg = cfg["engine"], cfg["model"]
         os.environ.update(compat.engine_env(float(ecfg["cpu_kv_cache_gb"])))
+        os.environ["RLFP8_ENGINE_DORA"] = "1" if cfg["adapter"]["type"] == "dora" else "0"
         self.precision = ecfg["precision"]
         quant = compat.quantization_for(self.precision)
         if compat.is_rlfp8_quantization(quant):
@@ -99,7 +100,7 @@ class RolloutEngine:
         from vllm.lora.request import LoRARequest
         folder = Path(tempfile.mkdtemp(prefix=f"rlfp8-{os.getpid()}-adapter-"))
         try:
-            _write_peft_folder(folder, update)
+            _write_peft_folder(folder, adapter_slots.lora_part(update))
             req = LoRARequest(lora_name="rlfp8", lora_int_id=ADAPTER_ID, lora_path=str(folder))
             self.llm.llm_engine.add_lora(req)
             self.llm.llm_engine.pin_lora(ADAPTER_ID)

@@ -73,11 +73,14 @@ class _RLFP8LoRAMixin:
         return run_projection(self, x)
 
     def create_dora_scale(self) -> None:
-        """Per-slot, per-output-column DoRA scale g [S, N] fp32 (ones = LoRA), applied in K2's epilogue."""
+        """Per-slot, per-output-column DoRA scale g [S, N] fp32, applied in K2's epilogue. Whether the epilogue
+        reads it is fixed when the layer is built (CUDA graphs capture that choice): on for an engine started
+        for DoRA adapters (RLFP8_ENGINE_DORA=1, set by RolloutEngine from adapter.type); g = 1 is exact for LoRA."""
+        import os
         S = self.lora_a_stacked[0].shape[0]
         self.rlfp8_dora_g = torch.ones(S, sum(self.output_slices), dtype=torch.float32,
                                        device=self.lora_a_stacked[0].device)
-        self.rlfp8_dora_active = False
+        self.rlfp8_dora_active = os.environ.get("RLFP8_ENGINE_DORA", "0") == "1"
 
     @classmethod
     def _rlfp8_can_replace(cls, source_layer) -> bool:

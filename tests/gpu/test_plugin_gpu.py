@@ -80,7 +80,7 @@ def _tiny(tmp_path):
 
 
 def _cfg(precision, eager=True):
-    return {"seed": 0, "model": {"dtype": "bfloat16"}, "adapter": {"rank": 8, "alpha": 16},
+    return {"seed": 0, "model": {"dtype": "bfloat16"}, "adapter": {"rank": 8, "alpha": 16, "type": "lora"},
             "trainer": {"weights": "fp8", "lr": 1e-3, "micro_batch_tokens": 4096, "device": "cuda"},
             "engine": {"precision": precision, "max_model_len": 256, "max_num_seqs": 16, "cpu_kv_cache_gb": 1,
                        "enforce_eager": eager, "enable_prefix_caching": True, "gpu_memory_utilization": 0.2,

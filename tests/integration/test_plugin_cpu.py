@@ -18,8 +18,8 @@ from rlfp8.trainer.fp8_lora import adapters_disabled  # noqa: E402
 from rlfp8.trainer.hf_models import make_tiny_qwen3  # noqa: E402
 
 
-def _cfg(precision, weights="fp8"):
-    return {"seed": 0, "model": {"dtype": "float32"}, "adapter": {"rank": 8, "alpha": 16},
+def _cfg(precision, weights="fp8", adapter="lora"):
+    return {"seed": 0, "model": {"dtype": "float32"}, "adapter": {"rank": 8, "alpha": 16, "type": adapter},
             "trainer": {"weights": weights, "lr": 1e-3, "micro_batch_tokens": 2048, "device": "cpu"},
             "engine": {"precision": precision, "max_model_len": 256, "max_num_seqs": 16, "cpu_kv_cache_gb": 1,
                        "enforce_eager": True, "enable_prefix_caching": True, "gpu_memory_utilization": 0.3,
@@ -140,3 +140,30 @@ def test_plugin_is_inert_for_other_engines(matched, tmp_path):
     assert "MergedQKVParallelLinearWithLoRA" in names and not any(n.startswith("RLFP8") for n in names)
     model = other.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     assert model.model.layers[0].self_attn.o_proj.base_layer.weight.dtype == torch.float32
+
+
+def test_dora_adapter_served_without_merging(tmp_path):
+    """A DoRA adapter: the engine computes g = m / ||W + sBA||_row from its own codes and applies it in K2's
+    epilogue; its log-probs equal the FP8 DoRA trainer's."""
+    from rlfp8.rollout.engine import RolloutEngine
+    folder = make_tiny_qwen3(tmp_path / "tiny", seed=2)
+    trainer = PolicyTrainer(str(folder), _cfg("w8a16", adapter="dora"))
+    torch.manual_seed(0)
+    _randomize_b(trainer, 0.3)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if name.endswith("lora_magnitude_vector"):
+                p.mul_(1.0 + 0.3 * torch.rand_like(p))               # m away from the base norm: g matters
+    update = trainer.adapter_update()
+    assert any(k.endswith("lora_magnitude_vector") for k in update["tensors"])
+    engine = RolloutEngine(str(folder), _cfg("w8a16", adapter="dora"))
+    engine.set_adapter(update)
+    prompts = [[1, 5, 9, 20 + i, 7, 3] for i in range(4)]
+    seqs = [p + [11, 12, 13, 14, 15, 16, 17, 18] for p in prompts]
+    lens = [len(p) for p in prompts]
+    eng, tr = engine.score(seqs, lens), trainer.score_tokens(seqs, lens)
+    diff = max(abs(a - b) for e, t in zip(eng, tr) for a, b in zip(e, t))
+    assert diff <= 1e-4, f"max |logp_engine - logp_trainer| = {diff:.2e}"
+    from rlfp8.rollout.compat import lora_adapter_manager
+    g = lora_adapter_manager(engine.llm).modules["model.layers.0.mlp.gate_up_proj"].rlfp8_dora_g[0]
+    assert (g - 1).abs().max() > 1e-2                              # the scale is not a no-op here

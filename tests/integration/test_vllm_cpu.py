@@ -12,7 +12,7 @@ from rlfp8.trainer.hf_models import make_tiny_qwen3  # noqa: E402
 
 
 def _cfg(weights, precision="bf16"):
-    return {"seed": 0, "model": {"dtype": "float32"}, "adapter": {"rank": 8, "alpha": 16},
+    return {"seed": 0, "model": {"dtype": "float32"}, "adapter": {"rank": 8, "alpha": 16, "type": "lora"},
             "trainer": {"weights": weights, "lr": 1e-3, "micro_batch_tokens": 2048, "device": "cpu"},
             "engine": {"precision": precision, "max_model_len": 256, "max_num_seqs": 16, "cpu_kv_cache_gb": 1,
                        "enforce_eager": True, "enable_prefix_caching": True, "gpu_memory_utilization": 0.3,
