@@ -71,3 +71,8 @@ def lora_adapter_manager(llm):
     holding the stacked slot buffers (`modules`), `lora_index_to_id` and the CPU adapter cache."""
     worker = llm.llm_engine.model_executor.driver_worker.worker
     return worker.model_runner.lora_manager._adapter_manager
+
+
+def engine_model(llm):
+    """The nn.Module an in-process engine runs (TP=1)."""
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model

@@ -68,6 +68,9 @@ class RolloutEngine:
         )
         if quant:
             kwargs["quantization"] = quant
+        self.kv_release = bool(ecfg.get("release_kv_resolved", False))
+        if self.kv_release:
+            kwargs["enable_sleep_mode"] = True            # KV in vLLM's cuMem pool; weights kept out (plugin)
         if not compat.on_cpu_build():
             kwargs["gpu_memory_utilization"] = float(ecfg["gpu_memory_utilization"])
             if ecfg["kv_cache_memory_gb"]:
@@ -169,14 +172,44 @@ class RolloutEngine:
         from rlfp8.kernels import dispatch
         return dispatch.report()
 
-    def release_kv(self) -> None:
-        raise NotImplementedError("engine.release_kv (KV-only sleep while the trainer runs) is not built yet: issue 14")
+    # ------------------------------------------------------------------ one copy: weights out, KV away while training
+    def export_weights(self) -> dict:
+        """Handles of the FP8 codes and scales of every projection (CUDA IPC on a GPU, /dev/shm files on a CPU
+        machine), for a trainer that maps them (placement=one_copy)."""
+        from .weight_export import export_weights
+        return export_weights(compat.engine_model(self.llm))
+
+    def base_checksum(self) -> int:
+        from .weight_export import _rlfp8_linears, base_checksum
+        mods = _rlfp8_linears(compat.engine_model(self.llm))
+        return base_checksum(t for m in mods.values() for t in (m.weight, m.weight_scale))
+
+    def release_kv(self) -> dict:
+        """Free the KV cache (GPU, engine started with sleep mode): prefix cache reset, KV pages unmapped; the
+        weights stay (they are outside vLLM's cuMem pool). Returns the memory freed."""
+        import gc
+
+        import torch
+        if not self.kv_release:
+            raise RuntimeError("release_kv: this engine was started without engine.release_kv (sleep mode)")
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("release_kv: vLLM refused to reset the prefix cache (requests still running)")
+        from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
+        torch.cuda.synchronize()
+        before = torch.cuda.mem_get_info()[0]
+        for d in CuMemAllocator.get_instance().pointer_to_data.values():
+            if d.tag == "kv_cache" and not getattr(d, "is_asleep", False):
+                unmap_and_release(d.handle)
+                d.is_asleep = True
+        gc.collect()
+        torch.cuda.empty_cache()
+        return {"memory/kv_released_gib": (torch.cuda.mem_get_info()[0] - before) / 2**30}
 
     def resume_kv(self) -> None:
-        raise NotImplementedError("engine.resume_kv is not built yet: issue 14")
-
-    def export_weights(self):
-        raise NotImplementedError("export_weights (the one_copy placement) is not built yet: issue 14")
+        """Map the KV cache back at the same addresses (CUDA graphs stay valid) and let vLLM re-initialise it."""
+        if not self.kv_release:
+            raise RuntimeError("resume_kv: this engine was started without engine.release_kv (sleep mode)")
+        self.llm.collective_rpc("wake_up", kwargs={"tags": ["kv_cache"]})
 
 
 def _write_peft_folder(folder: Path, update: dict) -> None:
