@@ -246,6 +246,7 @@ class RunLogger:
         name: str | None = None,
         resume: bool = False,
         console: bool = True,
+        console_every: int = 1,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -255,6 +256,7 @@ class RunLogger:
         self.name = name
         self.resume = bool(resume)
         self.console = console
+        self.console_every = console_every
         self.metrics_path = self.run_dir / METRICS_FILE
         self.config_path = self.run_dir / CONFIG_FILE
         self.plot_path = self.run_dir / PLOT_FILE
@@ -345,7 +347,7 @@ class RunLogger:
             except Exception as e:  # noqa: BLE001
                 log.warning("wandb.log failed (%s: %s); W&B switched off for this run", type(e).__name__, e)
                 self._close_wandb()
-        if self.console:
+        if self.console and step % self.console_every == 0:
             self._print(step, clean)
 
     def _print(self, step: int, m: Mapping[str, Any]) -> None:

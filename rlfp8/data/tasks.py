@@ -1,6 +1,6 @@
 """Tasks: where prompts and reference answers come from.
 
-`build_dataset(cfg, tokenizer=None) -> (train: PromptStream, eval: EvalSet)` reads the flat
+`build_dataset(data_cfg, tokenizer=None) -> (train: PromptStream, eval: EvalSet)` reads the flat
 ``data.*`` config group (verl-like names). Every key, its default and its meaning are in
 conf/data/common.yaml, which owns them (DEFAULTS below is read from it); keys a caller leaves out
 take those defaults.
@@ -92,17 +92,17 @@ class MissingPackageError(ImportError):
 # ----------------------------------------------------------------------------------------------
 # Config
 # ----------------------------------------------------------------------------------------------
-def resolve_config(cfg: Mapping | None) -> dict[str, Any]:
-    """DEFAULTS updated with cfg (a dict or an OmegaConf DictConfig); validates keys and values."""
-    cfg = {} if cfg is None else cfg
-    if not isinstance(cfg, Mapping):
-        raise DataConfigError(f"data config must be a mapping, got {type(cfg).__name__}")
-    unknown = sorted(str(k) for k in cfg.keys() if k not in DEFAULTS)
+def resolve_config(data_cfg: Mapping | None) -> dict[str, Any]:
+    """DEFAULTS updated with data_cfg (a dict or an OmegaConf DictConfig); validates keys and values."""
+    data_cfg = {} if data_cfg is None else data_cfg
+    if not isinstance(data_cfg, Mapping):
+        raise DataConfigError(f"data config must be a mapping, got {type(data_cfg).__name__}")
+    unknown = sorted(str(k) for k in data_cfg.keys() if k not in DEFAULTS)
     if unknown:
         raise DataConfigError(f"unknown data config key(s) {', '.join('data.' + k for k in unknown)}; "
                               f"allowed: {', '.join(DEFAULTS)}")
     c = dict(DEFAULTS)
-    c.update({k: cfg[k] for k in cfg.keys()})
+    c.update({k: data_cfg[k] for k in data_cfg.keys()})
 
     for key in ("source", "train_source", "eval_source"):
         if c[key] is None and key != "source":
@@ -581,12 +581,12 @@ def _subset(examples: list[Example], size: int | None, seed: int, what: str) -> 
     return [examples[i] for i in idx]
 
 
-def build_dataset(cfg: Mapping | None = None, tokenizer=None) -> tuple[PromptStream, EvalSet]:
+def build_dataset(data_cfg: Mapping | None = None, tokenizer=None) -> tuple[PromptStream, EvalSet]:
     """Training stream and held-out eval set from the data.* config (see the module docstring).
 
     With a `tokenizer` and data.max_prompt_tokens, prompts whose rendered length (chat template,
     system prompt) exceeds the limit are dropped with a counted warning (`.num_dropped`)."""
-    c = resolve_config(cfg)
+    c = resolve_config(data_cfg)
     train_src = c["train_source"] or c["source"]
     eval_src = c["eval_source"] or c["source"]
     seed = c["seed"]

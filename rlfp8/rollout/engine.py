@@ -35,7 +35,7 @@ class RolloutEngine:
     def __init__(self, model_path: str, cfg: dict):
         """cfg: the resolved config as a plain dict (keys model, adapter, engine, seed)."""
         ecfg, mcfg = cfg["engine"], cfg["model"]
-        os.environ.update(compat.engine_env(float(ecfg.get("cpu_kv_cache_gb", 1))))
+        os.environ.update(compat.engine_env(float(ecfg["cpu_kv_cache_gb"])))
         from vllm import LLM
         if compat.on_cpu_build():
             from . import cpu_lora
@@ -46,17 +46,17 @@ class RolloutEngine:
         self.precision = ecfg["precision"]
         quant = compat.quantization_for(self.precision)
         kwargs = dict(
-            model=self.model_path, tokenizer=self.model_path, dtype=mcfg["dtype"], seed=int(cfg.get("seed", 0)),
-            enforce_eager=bool(ecfg.get("enforce_eager", True)), max_model_len=int(ecfg["max_model_len"]),
+            model=self.model_path, tokenizer=self.model_path, dtype=mcfg["dtype"], seed=int(cfg["seed"]),
+            enforce_eager=bool(ecfg["enforce_eager"]), max_model_len=int(ecfg["max_model_len"]),
             enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=compat.slot_rank(int(cfg["adapter"]["rank"])),
-            logprobs_mode="processed_logprobs", enable_prefix_caching=bool(ecfg.get("enable_prefix_caching", True)),
-            max_num_seqs=int(ecfg.get("max_num_seqs", 256)),
+            logprobs_mode="processed_logprobs", enable_prefix_caching=bool(ecfg["enable_prefix_caching"]),
+            max_num_seqs=int(ecfg["max_num_seqs"]),
         )
         if quant:
             kwargs["quantization"] = quant
         if not compat.on_cpu_build():
-            kwargs["gpu_memory_utilization"] = float(ecfg.get("gpu_memory_utilization", 0.4))
-            if ecfg.get("kv_cache_memory_gb"):
+            kwargs["gpu_memory_utilization"] = float(ecfg["gpu_memory_utilization"])
+            if ecfg["kv_cache_memory_gb"]:
                 kwargs["kv_cache_memory_bytes"] = int(float(ecfg["kv_cache_memory_gb"]) * 2**30)
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()

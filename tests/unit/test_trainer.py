@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from rlfp8.config import compose_dict
 from rlfp8.trainer.core import PolicyTrainer, Rollouts
 from rlfp8.trainer.hf_models import make_tiny_qwen3
 from rlfp8.trainer.logprobs import token_logprobs
@@ -17,10 +18,11 @@ def tiny(tmp_path_factory):
 
 
 def _cfg(**trainer):
-    return {"seed": 0, "model": {"dtype": "float32"}, "adapter": {"rank": 4, "alpha": 8},
-            "trainer": {"weights": "fp8", "lr": 1e-3, "micro_batch_tokens": 4096, "device": "cpu", **trainer},
-            "algo": {"temperature": 0.9, "loss_agg": "token-mean", "correction": "tis", "clip_eps_low": 0.2,
-                     "clip_eps_high": 0.28, "max_response_len": 12}}
+    """The composed config (every key from conf/) with the test's overrides."""
+    over = {"weights": "fp8", "lr": 1e-3, "micro_batch_tokens": 4096, "device": "cpu", **trainer}
+    return compose_dict(["model=tiny", "adapter.rank=4", "adapter.alpha=8", "algo.temperature=0.9",
+                         "algo.correction=tis", "algo.clip_eps_high=0.28", "algo.max_response_len=12",
+                         *[f"trainer.{k}={v}" for k, v in over.items()]])
 
 
 def _batch(n=6, seed=0):
