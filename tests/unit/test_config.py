@@ -194,3 +194,30 @@ def test_the_scan_catches_what_it_forbids():
         "x = cfg['engine']['max_model_len']\ny = self.cfg['trainer'].get('lr', 1)\ntcfg = cfg['engine']\n"))
     assert (1, ("engine", "max_model_len")) in reads and len(misuse) == 2
     assert not _owns(_schema_tree(), ("engine", "gpu_mem"))
+
+
+def test_readme_config_tour_matches_conf():
+    """Every group option the README's tour lists exists in conf/, and every key it names is a key."""
+    import re
+    tree = _schema_tree()
+    readme = (config.REPO / "README.md").read_text()
+    tour = readme[readme.index("## Config tour"):readme.index("Math data")]
+    rows = [line.split("|")[1:4] for line in tour.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) >= 8
+    bad = []
+    for group_cell, options_cell, keys_cell in rows:
+        group = group_cell.strip().strip("`")
+        section = () if group == "top level" else (group,)
+        for option in re.findall(r"`([a-z0-9_]+)`", options_cell):
+            if not (config.CONF_DIR / group / f"{option}.yaml").exists():
+                bad.append(f"{group}={option}")
+        keys_cell = re.sub(r"\([^)]*\)", "", keys_cell)          # values in parentheses are not keys
+        for key in re.findall(r"`([a-z_]+(?:\.[a-z_]+)*)`", keys_cell):
+            path = tuple(key.split("."))
+            if not (_owns(tree, path) or _owns(tree, section + path)):
+                bad.append(f"{group}: {key}")
+        for prefix, inner in re.findall(r"`([a-z_]+)\.\{([^}]*)\}`", keys_cell):
+            for key in (k.strip() for k in inner.split(",")):
+                if not _owns(tree, (prefix, key)):
+                    bad.append(f"{prefix}.{key}")
+    assert not bad, bad
