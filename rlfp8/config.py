@@ -1,19 +1,29 @@
-"""Config composition: a recipe (recipes/<name>.yaml, or a path to a user's copy) is a Hydra primary
-config whose defaults start from conf/config.yaml and override groups; command-line overrides come
-last. After composing, every key is checked: unknown keys (also in a recipe) and values outside the
-allowed set fail with a message that names the key and the allowed values.
+"""Config composition and the schema of allowed values.
+
+Who owns what (docs/ARCHITECTURE.md says why):
+- the YAML under conf/ owns every key and its default, and documents each in a comment;
+- this module owns what values are allowed: choice lists are read from the registries that implement
+  them (rlfp8.algos, rlfp8.kernels.dispatch, rlfp8.placement, ...) so nothing is listed twice, plus
+  ranges, cross-key rules, and UNAVAILABLE: the combinations that are not built or cannot run on this
+  machine, rejected when the config is composed, naming the keys and what to use instead.
+Code reads a composed config by subscripts only (`cfg["engine"]["max_model_len"]`, or a section
+alias such as `ecfg = cfg["engine"]`; tests/unit/test_config.py lists the aliases), never with
+`.get(key, default)`, so that every default stays in conf/.
+
+A recipe (recipes/<name>.yaml, or a path to a user's copy) is a Hydra primary config whose defaults
+start from conf/config.yaml and override groups; command-line overrides come last. Unknown keys
+(also in a recipe) and values outside the allowed set fail with a message naming the key.
 """
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-REPO = Path(__file__).resolve().parent.parent
-CONF_DIR = Path(os.environ.get("RLFP8_CONF_DIR", REPO / "conf"))
-RECIPES_DIR = Path(os.environ.get("RLFP8_RECIPES_DIR", REPO / "recipes"))
+from rlfp8.paths import CONF_DIR, RECIPES_DIR, REPO  # noqa: F401  (REPO: the checkout, for callers)
+
 DEFAULT_RECIPE = "quickstart"
 
 
@@ -21,28 +31,74 @@ class ConfigError(ValueError):
     pass
 
 
-# key -> allowed values (checked after composition)
-CHOICES: dict[str, tuple] = {
-    "model.dtype": ("bfloat16", "float32"),
-    "engine.precision": ("bf16", "w8a16", "w8a8", "w8a8_vllm"),
-    "trainer.weights": ("fp8", "bf16"),
-    "trainer.kernels": ("auto", "triton", "torch"),
-    "trainer.device": ("auto", "cpu", "cuda"),
-    "placement.name": ("two_copies", "offloaded"),
-    "algo.advantage": ("grpo", "drgrpo", "rloo"),
-    "algo.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "algo.correction": ("none", "tis", "seq_tis", "token_mask", "seq_mask"),
-    "algo.kl_estimator": ("k1", "k2", "k3"),
-    "adapter.type": ("lora", "dora"),
-    "logger.wandb.mode": ("auto", "online", "offline", "disabled"),
-}
+def choices() -> dict[str, tuple]:
+    """key -> allowed values; read from the registries that implement them where one exists."""
+    from rlfp8 import algos
+    from rlfp8.kernels.dispatch import BACKENDS
+    from rlfp8.logger import WANDB_MODES
+    from rlfp8.placement import STRATEGIES
+    from rlfp8.rollout.compat import PRECISIONS
+    from rlfp8.trainer.adapters import ADAPTER_TYPES
+    from rlfp8.trainer.fp8_lora import WEIGHT_MODES
+    return {
+        "model.dtype": ("bfloat16", "float32"),
+        "engine.precision": PRECISIONS,
+        "engine.release_kv": ("auto", True, False),
+        "trainer.weights": WEIGHT_MODES,
+        "trainer.kernels": BACKENDS,
+        "trainer.device": ("auto", "cpu", "cuda"),
+        "placement.name": tuple(STRATEGIES),
+        "algo.advantage": algos.ESTIMATORS,
+        "algo.loss_agg": algos.AGG_MODES,
+        "algo.correction": algos.CORRECTION_MODES,
+        "algo.kl_estimator": algos.KL_ESTIMATORS,
+        "adapter.type": ADAPTER_TYPES,
+        "logger.wandb.mode": WANDB_MODES,
+    }
+
+
 POSITIVE_INT = ("steps", "adapter.rank", "algo.group_size", "algo.max_response_len", "data.prompts_per_step",
                 "engine.max_model_len", "trainer.micro_batch_tokens", "trainer.mini_batches", "trainer.epochs",
-                "trainer.logprob_chunk", "keep_checkpoints")
+                "trainer.logprob_chunk", "keep_checkpoints", "logger.console_every")
 NON_NEGATIVE_INT = ("eval_every", "save_every", "seed", "trainer.warmup_steps", "trainer.num_threads",
                     "engine.parity_probe.every")
 POSITIVE_FLOAT = ("adapter.alpha", "algo.temperature", "trainer.lr", "algo.tis_cap", "trainer.grad_clip",
                   "engine.parity_probe.factor")
+
+NOT_BUILT, NEEDS_CUDA = "not built yet", "needs a CUDA GPU and this machine has none"
+UNSUPPORTED = "cannot work"
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """A combination rejected at composition: every key=value in `when` holds and `reason` applies
+    (NOT_BUILT: everywhere; NEEDS_CUDA: where torch sees no CUDA device)."""
+    when: dict[str, Any]
+    reason: str
+    what: str
+    instead: str
+
+    def message(self) -> str:
+        keys = " ".join(f"{k}={v}" for k, v in self.when.items())
+        return f"{keys}: {self.what} {self.reason}; use {self.instead}"
+
+
+# The one table of combinations that cannot run. Delete an entry when what it names lands.
+UNAVAILABLE: tuple[Unavailable, ...] = (
+    Unavailable({"placement.name": "one_copy"}, NOT_BUILT, "one_copy (the trainer maps the engine's weights, "
+                "issue 14) is", "placement=two_copies or placement=offloaded"),
+    *(Unavailable({"adapter.type": "dora", "engine.precision": p}, UNSUPPORTED, "(vLLM's own LoRA kernels "
+                  "cannot serve DoRA)", "engine.precision=w8a16 (the matched engine) or w8a8: rlfp8's kernels "
+                  "apply DoRA's column scale in the GEMM epilogue") for p in ("bf16", "w8a8_vllm")),
+    Unavailable({"engine.precision": "w8a8_vllm"}, NEEDS_CUDA, "w8a8_vllm (vLLM's fp8_per_channel, no CPU kernels)",
+                "engine.precision=w8a8 (rlfp8's kernels, torch references on the CPU), w8a16 or bf16"),
+    Unavailable({"trainer.device": "cuda"}, NEEDS_CUDA, "trainer.device=cuda", "trainer.device=auto or cpu"),
+)
+
+
+def cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def _find_recipe(recipe: str) -> tuple[Path, str]:
@@ -59,9 +115,6 @@ def _find_recipe(recipe: str) -> tuple[Path, str]:
 
 def compose(overrides: list[str]) -> DictConfig:
     """Compose recipe + overrides (Hydra's compose API: no working-directory change, no output dir)."""
-    from hydra import compose as hy_compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     recipe, rest = DEFAULT_RECIPE, []
     for o in overrides:
         if o.startswith("recipe="):
@@ -69,27 +122,42 @@ def compose(overrides: list[str]) -> DictConfig:
         else:
             rest.append(o)
     rdir, rname = _find_recipe(recipe)
+    cfg, base = _hydra_compose(rdir, rname, rest)
+    with open_dict(cfg):
+        del cfg["hydra"]
+        cfg.recipe = rname
+    _check_known_keys(cfg, base)
+    validate(cfg)
+    return cfg
+
+
+def _hydra_compose(rdir: Path, rname: str, overrides: list[str]) -> tuple[DictConfig, DictConfig]:
+    """The recipe composed with the overrides, and the base config with the same group choices
+    (the set of keys a recipe may set)."""
+    from hydra import compose as hy_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
     GlobalHydra.instance().clear()
     extra = [f"hydra.searchpath=[file://{CONF_DIR}]"] if rdir != CONF_DIR else []
     try:
         with initialize_config_dir(config_dir=str(rdir), version_base=None):
-            cfg = hy_compose(config_name=rname, overrides=extra + rest, return_hydra_config=True)
-        choices = {g: c for g, c in cfg.hydra.runtime.choices.items()
-                   if not g.startswith("hydra") and (CONF_DIR / g).is_dir() and c is not None}
+            cfg = hy_compose(config_name=rname, overrides=extra + overrides, return_hydra_config=True)
+        groups = {g: c for g, c in cfg.hydra.runtime.choices.items()
+                  if not g.startswith("hydra") and (CONF_DIR / g).is_dir() and c is not None}
         GlobalHydra.instance().clear()
-        # The base config with the same group choices: the set of keys a recipe may set.
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            base = hy_compose(config_name="config", overrides=[f"{g}={c}" for g, c in choices.items()])
+            base = hy_compose(config_name="config", overrides=[f"{g}={c}" for g, c in groups.items()])
     except Exception as e:          # Hydra's own message names the key / lists the options
         raise ConfigError(f"{type(e).__name__}: {e}") from None
     finally:
         GlobalHydra.instance().clear()
+    return cfg, base
+
+
+def base_config(groups: dict[str, str] | None = None) -> DictConfig:
+    """conf/config.yaml with its default group choices (or `groups`), not validated."""
+    cfg, _ = _hydra_compose(CONF_DIR, "config", [f"{g}={c}" for g, c in (groups or {}).items()])
     with open_dict(cfg):
         del cfg["hydra"]
-    with open_dict(cfg):
-        cfg.recipe = rname
-    _check_known_keys(cfg, base)
-    validate(cfg)
     return cfg
 
 
@@ -111,7 +179,14 @@ def _get(cfg, key):
 
 
 def validate(cfg: DictConfig) -> None:
-    for key, allowed in CHOICES.items():
+    _check_values(cfg)
+    _check_rules(cfg)
+    _check_data(cfg)
+    _check_available(cfg)
+
+
+def _check_values(cfg: DictConfig) -> None:
+    for key, allowed in choices().items():
         v = _get(cfg, key)
         if v not in allowed:
             raise ConfigError(f"{key}={v!r}: allowed values are {list(allowed)}")
@@ -124,21 +199,15 @@ def validate(cfg: DictConfig) -> None:
         v = _get(cfg, key)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
             raise ConfigError(f"{key}={v!r}: must be a number > 0")
-    if cfg.engine.parity_probe.size < 1 or cfg.engine.parity_probe.abs_tol < 0:
-        raise ConfigError("engine.parity_probe.size must be >= 1 and engine.parity_probe.abs_tol >= 0")
-    if cfg.adapter.type == "dora" and cfg.engine.precision not in ("w8a16", "w8a8"):
-        raise ConfigError(f"adapter.type=dora with engine.precision={cfg.engine.precision}: vLLM's own LoRA kernels cannot "
-                          "serve DoRA; use engine.precision=w8a16 (the matched engine) or w8a8, which apply DoRA's "
-                          "column scale in rlfp8's GEMM epilogue")
-    if cfg.engine.precision == "w8a8_vllm":
-        import torch
-        if not torch.cuda.is_available():
-            raise ConfigError("engine.precision=w8a8_vllm (vLLM's own FP8 kernels) needs a CUDA GPU; on this machine "
-                              "use engine.precision=w8a8 (rlfp8's kernels) or w8a16 or bf16")
+
+
+def _check_rules(cfg: DictConfig) -> None:
     if cfg.algo.clip_eps_low < 0 or cfg.algo.clip_eps_high < 0:
         raise ConfigError("algo.clip_eps_low / algo.clip_eps_high must be >= 0")
     if cfg.model.path in (None, "???"):
         raise ConfigError("model.path is not set: a local HF folder, a hub id, 'tiny' or gguf:smollm2-135m-instruct")
+    if not cfg.adapter.target_modules:
+        raise ConfigError("adapter.target_modules is empty: list the projections to adapt (e.g. [q_proj, v_proj])")
     if cfg.resume and not cfg.run_dir:
         raise ConfigError("resume=true needs run_dir=<the run's folder>")
     if cfg.engine.top_p != 1.0 or cfg.engine.top_k != -1:
@@ -146,10 +215,34 @@ def validate(cfg: DictConfig) -> None:
         logging.getLogger("rlfp8").warning(
             "engine.top_p/top_k truncate the sampling distribution; the trainer's log-probs do not, so the "
             "mismatch metrics and importance ratios include that truncation")
+    if cfg.engine.parity_probe.size < 1 or cfg.engine.parity_probe.abs_tol < 0:
+        raise ConfigError("engine.parity_probe.size must be >= 1 and engine.parity_probe.abs_tol >= 0")
     if cfg.algo.max_response_len >= cfg.engine.max_model_len:
         raise ConfigError(f"algo.max_response_len={cfg.algo.max_response_len} must be < engine.max_model_len="
                           f"{cfg.engine.max_model_len} (prompt + response)")
 
 
+def _check_data(cfg: DictConfig) -> None:
+    """data.* values: rlfp8.data owns them (tasks.resolve_config); checked here, before Ray starts."""
+    from rlfp8.data import DataConfigError, resolve_config
+    from rlfp8.data.tasks import LOOP_KEYS
+    try:
+        resolve_config({k: v for k, v in cfg.data.items() if k not in LOOP_KEYS})
+    except DataConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_available(cfg: DictConfig) -> None:
+    for entry in UNAVAILABLE:
+        if all(_get(cfg, k) == v for k, v in entry.when.items()):
+            if entry.reason != NEEDS_CUDA or not cuda_available():
+                raise ConfigError(entry.message())
+
+
 def to_dict(cfg: DictConfig) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True)
+
+
+def compose_dict(overrides: list[str]) -> dict[str, Any]:
+    """compose + to_dict: the plain dict the actors receive."""
+    return to_dict(compose(overrides))

@@ -164,9 +164,6 @@ def make_plot(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     FigureCanvasAgg(fig)
     ax_r, ax_kl, ax_t = fig.subplots(1, 3)
 
-    def no_data(ax, what):
-        ax.text(0.5, 0.5, f"no {what} logged", ha="center", va="center", transform=ax.transAxes, color="gray")
-
     # reward
     xs, ys = _series(rows, "reward/mean")
     ex, ey = _series(rows, "eval/reward")
@@ -177,7 +174,7 @@ def make_plot(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     if xs or ex:
         ax_r.legend(fontsize=8)
     else:
-        no_data(ax_r, "reward")
+        _no_data(ax_r, "reward")
     ax_r.set_title("reward")
 
     # mismatch KL
@@ -187,28 +184,10 @@ def make_plot(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
         if all(v > 0 for v in ky):
             ax_kl.set_yscale("log")
     else:
-        no_data(ax_kl, "mismatch/kl_k3")
+        _no_data(ax_kl, "mismatch/kl_k3")
     ax_kl.set_title("mismatch KL (k3, engine vs trainer)")
 
-    # step time
-    parts = [(k, _series(rows, k)) for k in TIME_PARTS]
-    parts = [(k, s) for k, s in parts if s[0]]
-    tx, ty = _series(rows, "time/step")
-    if parts:
-        steps = sorted({x for _, (px, _) in parts for x in px})
-        stacks = []
-        for _, (px, py) in parts:
-            d = dict(zip(px, py))
-            stacks.append([d.get(s, 0.0) for s in steps])
-        ax_t.stackplot(steps, *stacks, labels=[k.split("/", 1)[1] for k, _ in parts], alpha=0.7)
-    if tx:
-        ax_t.plot(tx, ty, color="black", linewidth=1, label="step")
-    if parts or tx:
-        ax_t.legend(fontsize=8, loc="upper right")
-        ax_t.set_ylim(bottom=0)
-    else:
-        no_data(ax_t, "step time")
-    ax_t.set_title("step time [s]")
+    _plot_step_time(ax_t, rows)
 
     for ax in (ax_r, ax_kl, ax_t):
         ax.set_xlabel("step")
@@ -218,6 +197,33 @@ def make_plot(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     return out
+
+
+
+def _no_data(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"no {what} logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def _plot_step_time(ax, rows: list[dict]) -> None:
+    """The time/* parts stacked where present, plus time/step as a line."""
+    parts = [(k, _series(rows, k)) for k in TIME_PARTS]
+    parts = [(k, s) for k, s in parts if s[0]]
+    tx, ty = _series(rows, "time/step")
+    if parts:
+        steps = sorted({x for _, (px, _) in parts for x in px})
+        stacks = []
+        for _, (px, py) in parts:
+            d = dict(zip(px, py))
+            stacks.append([d.get(s, 0.0) for s in steps])
+        ax.stackplot(steps, *stacks, labels=[k.split("/", 1)[1] for k, _ in parts], alpha=0.7)
+    if tx:
+        ax.plot(tx, ty, color="black", linewidth=1, label="step")
+    if parts or tx:
+        ax.legend(fontsize=8, loc="upper right")
+        ax.set_ylim(bottom=0)
+    else:
+        _no_data(ax, "step time")
+    ax.set_title("step time [s]")
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,6 +252,7 @@ class RunLogger:
         name: str | None = None,
         resume: bool = False,
         console: bool = True,
+        console_every: int = 1,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -255,6 +262,7 @@ class RunLogger:
         self.name = name
         self.resume = bool(resume)
         self.console = console
+        self.console_every = console_every
         self.metrics_path = self.run_dir / METRICS_FILE
         self.config_path = self.run_dir / CONFIG_FILE
         self.plot_path = self.run_dir / PLOT_FILE
@@ -345,7 +353,7 @@ class RunLogger:
             except Exception as e:  # noqa: BLE001
                 log.warning("wandb.log failed (%s: %s); W&B switched off for this run", type(e).__name__, e)
                 self._close_wandb()
-        if self.console:
+        if self.console and step % self.console_every == 0:
             self._print(step, clean)
 
     def _print(self, step: int, m: Mapping[str, Any]) -> None:

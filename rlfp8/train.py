@@ -4,15 +4,18 @@
     rlfp8-train recipe=quickstart model=tiny steps=3    # any key can be overridden
     rlfp8-train ... resume=true run_dir=runs/my-run     # continue after a crash
 
-Each step: rollout (engine samples algo.group_size answers per prompt, with their log-probs) ->
-reward -> group advantages -> train (one GRPO update of the adapter) -> sync (the new adapter goes
-to the engine). Design choices:
-- The driver holds the tokenizer, the prompt stream and the rewards; the actors hold the model.
+The loop reads as a recipe: setup, then per step rollout (engine samples algo.group_size answers per
+prompt, with their log-probs) -> score (rewards, group advantages) -> update (one GRPO update of the
+adapter) -> sync (the new adapter goes to the engine) -> log, evaluate, checkpoint; then finish.
+Design choices:
+- The driver holds the tokenizer, the prompt stream and the rewards; the actors hold the model; the
+  placement (rlfp8.placement) owns what happens around the phases.
 - Metrics of every step go to metrics.jsonl, W&B and the console; the resolved config sits next to
   them (config.yaml). A held-out eval (greedy, one answer per prompt) runs before training, every
   `eval_every` steps and at the end.
 - Checkpoints (adapter in PEFT format, optimizer, RNG, data cursor, step) every `save_every` steps
-  and at the end; `resume=true run_dir=...` continues from the latest complete one.
+  and at the end; `resume=true run_dir=...` continues from the latest complete one. The run folder
+  is behind open_run_folder / save_checkpoint / restore.
 """
 from __future__ import annotations
 
@@ -22,9 +25,33 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("rlfp8")
+
+
+class RunFolderError(RuntimeError):
+    """The run folder cannot be used as asked (message for the user; exit code 2)."""
+
+
+@dataclass
+class Run:
+    """What the steps share: the config, the run folder, the data, the logger and the placement."""
+    cfg: dict
+    run_dir: Path
+    tokenizer: Any
+    train_stream: Any
+    eval_set: Any
+    logger: Any
+    placement: Any
+    scratch_dir: Path
+    probe: Any = None                  # rlfp8.parity.ParityProbe (None: engine.parity_probe.every=0)
+    start_step: int = 0
+    t_start: float = field(default_factory=time.time)
+    first_rewards: list = field(default_factory=list)
+    last_rewards: list = field(default_factory=list)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,24 +63,254 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt="%H:%M:%S")
     for noisy in ("httpx", "filelock", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from rlfp8.config import ConfigError, compose, to_dict
+    from rlfp8.config import ConfigError, compose_dict
     try:
-        cfg = to_dict(compose(argv))
+        cfg = compose_dict(argv)
     except ConfigError as e:
         print(f"rlfp8-train: config error: {e}", file=sys.stderr)
         return 2
-    from rlfp8.parity import ParityError
+    return run(cfg)
+
+
+def run(cfg: dict) -> int:
+    t_start = time.time()
     try:
-        return run(cfg)
-    except ParityError as e:
-        print(f"rlfp8-train: stopped: {e}", file=sys.stderr)
-        return 3
+        run_dir, resume_from = open_run_folder(cfg)
+    except RunFolderError as e:
+        print(f"rlfp8-train: {e}", file=sys.stderr)
+        return 2
+    r = setup(cfg, run_dir, resume_from is not None)
+    r.t_start = t_start
+    if resume_from is not None:
+        restore(r, resume_from)
+    eval_first = evaluate(r, r.start_step) if r.start_step == 0 else None
+    from tqdm import tqdm
+    bar = tqdm(range(r.start_step, cfg["steps"]), desc="rl", unit="step", initial=r.start_step,
+               total=cfg["steps"], dynamic_ncols=True, file=sys.stderr)
+    for step in bar:
+        metrics = rl_step(r, step, bar)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl_k3=f"{metrics.get('mismatch/kl_k3', 0):.2e}")
+        done = step + 1 == cfg["steps"]
+        if cfg["eval_every"] and (step + 1) % cfg["eval_every"] == 0 and not done:
+            bar.set_description(f"step {step + 1}: eval")
+            evaluate(r, step + 1)
+        if done or (cfg["save_every"] and (step + 1) % cfg["save_every"] == 0):
+            bar.set_description(f"step {step + 1}: checkpoint")
+            save_checkpoint(r, step + 1)
+    bar.close()
+    finish(r, eval_first)
+    return 0
 
 
-def _run_dir(cfg: dict) -> Path:
-    if cfg.get("run_dir"):
-        return Path(cfg["run_dir"]).expanduser().resolve()
-    return (Path("runs") / f"{cfg['recipe']}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+# ---------------------------------------------------------------------------------------- setup
+def setup(cfg: dict, run_dir: Path, resuming: bool) -> Run:
+    """Model folder, tokenizer, data, logger, and the placement with its two actors."""
+    from transformers import AutoTokenizer
+
+    from rlfp8.data import build_dataset
+    from rlfp8.data.tasks import LOOP_KEYS
+    from rlfp8.logger import RunLogger
+    from rlfp8.placement import make_placement
+    from rlfp8.trainer.hf_models import resolve_model
+
+    model_path = str(resolve_model(cfg["model"]["path"], cfg["cache_dir"], seed=cfg["seed"]))
+    cfg["model"]["resolved_path"] = model_path
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    train_stream, eval_set = build_dataset({k: v for k, v in cfg["data"].items() if k not in LOOP_KEYS},
+                                           tokenizer=tokenizer)
+    lcfg = cfg["logger"]
+    logger = RunLogger(run_dir, config=cfg, wandb_mode=lcfg["wandb"]["mode"], project=lcfg["wandb"]["project"],
+                       name=lcfg["wandb"]["name"] or run_dir.name, resume=resuming,
+                       console_every=lcfg["console_every"])
+    scratch_dir = _ram_dir(run_dir)
+    placement = make_placement(cfg, model_path, str(scratch_dir))
+    r = Run(cfg, run_dir, tokenizer, train_stream, eval_set, logger, placement, scratch_dir)
+    r.probe = make_probe(r)
+    return r
+
+
+def render(r: Run, example) -> list[int]:
+    from rlfp8.data import render_prompt
+    return render_prompt(r.tokenizer, example, r.cfg["data"]["use_chat_template"], r.cfg["data"]["system_prompt"])
+
+
+# ---------------------------------------------------------------------------------------- one step
+def rl_step(r: Run, step: int, bar) -> dict[str, float]:
+    """rollout -> score -> update -> sync, timed; logs the step's metrics and returns them."""
+    t0 = time.time()
+    bar.set_description(f"step {step + 1}: rollout")
+    examples, prompt_ids, samples = rollout(r)
+    t_roll = time.time() - t0
+    rewards, batch = score(r, examples, prompt_ids, samples)
+    bar.set_description(f"step {step + 1}: train")
+    t1 = time.time()
+    metrics = update(r, batch)
+    t_train = time.time() - t1
+    bar.set_description(f"step {step + 1}: sync")
+    t2 = time.time()
+    metrics.update(sync(r, step + 1))
+    t_sync = time.time() - t2
+    metrics.update(rollout_metrics(r, rewards, samples))
+    metrics.update({"time/rollout": t_roll, "time/train": t_train, "time/sync": t_sync,
+                    "time/step": time.time() - t0,
+                    "rollout/tokens_per_s": sum(len(s.token_ids) for s in samples) / max(t_roll, 1e-9)})
+    from rlfp8.placement import call
+    metrics.update(call(r.placement.engine.memory))
+    r.logger.log(step + 1, metrics)
+    (r.first_rewards if step < r.start_step + 3 else r.last_rewards).append(metrics["reward/mean"])
+    r.last_rewards = r.last_rewards[-3:]
+    return metrics
+
+
+def rollout(r: Run):
+    """The next prompts, rendered, and algo.group_size samples of each from the engine."""
+    from rlfp8.placement import call
+    algo_cfg, ecfg = r.cfg["algo"], r.cfg["engine"]
+    examples = r.train_stream.next_batch(r.cfg["data"]["prompts_per_step"])
+    prompt_ids = [render(r, ex) for ex in examples]
+    r.placement.before_rollout()
+    samples = call(r.placement.engine.generate, prompt_ids, algo_cfg["group_size"], algo_cfg["temperature"],
+                   algo_cfg["max_response_len"], top_p=ecfg["top_p"], top_k=ecfg["top_k"])
+    return examples, prompt_ids, samples
+
+
+def score(r: Run, examples, prompt_ids, samples):
+    """Rewards of the samples and their group advantages, as the trainer's batch."""
+    import torch
+
+    from rlfp8 import algos
+    from rlfp8.data import batch_score
+    from rlfp8.trainer.interface import Rollouts
+    algo_cfg = r.cfg["algo"]
+    rewards = batch_score([s.text for s in samples], [examples[s.prompt_index].answer for s in samples],
+                          r.train_stream.reward_kind)
+    adv = algos.compute_advantages(torch.tensor(rewards), algo_cfg["group_size"], algo_cfg["advantage"],
+                                   algo_cfg["std_eps"])
+    batch = Rollouts(input_ids=[prompt_ids[s.prompt_index] + s.token_ids for s in samples],
+                     prompt_lens=[len(prompt_ids[s.prompt_index]) for s in samples],
+                     rollout_logprobs=[s.logprobs for s in samples], advantages=adv.tolist())
+    return rewards, batch
+
+
+def update(r: Run, batch) -> dict[str, float]:
+    """One RL update of the adapter (the placement first brings the trainer's base back if needed)."""
+    from rlfp8.placement import call
+    r.placement.before_train()
+    return call(r.placement.trainer.train_step, batch)
+
+
+def sync(r: Run, step: int) -> dict[str, float]:
+    """The trainer's adapter goes to the engine as tensors (an in-place slot update), then the parity probe."""
+    from rlfp8.placement import call
+    update = call(r.placement.trainer.export_adapter)
+    call(r.placement.engine.set_adapter, update)
+    r.placement.after_sync()
+    every = r.cfg["engine"]["parity_probe"]["every"]
+    if r.probe is None or update["version"] % every:
+        return {}
+    import torch
+
+    from rlfp8.rollout.adapter_slots import expected_checksums
+    engine, trainer = r.placement.engine, r.placement.trainer
+    dtype = getattr(torch, call(engine.lora_dtype).replace("torch.", ""))
+    return r.probe.check(version=update["version"], step=step,
+                         engine_score=lambda q, p, a: call(engine.score, q, p, a),
+                         trainer_score=lambda q, p: call(trainer.score_tokens, q, p),
+                         engine_checksums=call(engine.slot_checksums),
+                         expected_checksums=expected_checksums(update, dtype))
+
+
+def make_probe(r: Run):
+    """Fixed probe sequences (the first eval prompts + the base model's greedy answers) and the pair's floor."""
+    from rlfp8.parity import ParityProbe
+    from rlfp8.placement import call
+    pcfg = r.cfg["engine"]["parity_probe"]
+    if not pcfg["every"]:
+        return None
+    engine, trainer = r.placement.engine, r.placement.trainer
+    prompts = [render(r, ex) for ex in list(r.eval_set)[: pcfg["size"]]]
+    r.placement.before_rollout()
+    answers = call(engine.generate, prompts, 1, 1.0, r.cfg["algo"]["max_response_len"], use_adapter=False,
+                   greedy=True)
+    seqs = [prompts[s.prompt_index] + (s.token_ids or [0]) for s in answers]
+    probe = ParityProbe(seqs, [len(prompts[s.prompt_index]) for s in answers], factor=pcfg["factor"],
+                        abs_tol=pcfg["abs_tol"])
+    floor = probe.measure_floor(lambda q, p, a: call(engine.score, q, p, a),
+                                lambda q, p: call(trainer.score_tokens, q, p, False))
+    log.info("parity probe: %d sequences, floor (no adapter) mean |dlogp| = %.3e", len(seqs), floor)
+    return probe
+
+
+def rollout_metrics(r: Run, rewards: list[float], samples) -> dict[str, float]:
+    import torch
+    resp_lens = [len(s.token_ids) for s in samples]
+    groups = torch.tensor(rewards).view(-1, r.cfg["algo"]["group_size"])
+    return {
+        "reward/mean": sum(rewards) / len(rewards),
+        "reward/std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
+        "reward/mixed_groups_frac": float(((groups.max(1).values - groups.min(1).values) > 0).float().mean()),
+        "response/length_mean": sum(resp_lens) / len(resp_lens), "response/length_max": max(resp_lens),
+        "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+    }
+
+
+def evaluate(r: Run, step: int) -> float:
+    """Greedy answers to the held-out prompts; logs and returns the mean reward."""
+    from rlfp8.data import batch_score
+    from rlfp8.placement import call
+    ids = [render(r, ex) for ex in r.eval_set]
+    r.placement.before_rollout()
+    samples = call(r.placement.engine.generate, ids, 1, 1.0, r.cfg["algo"]["max_response_len"], greedy=True)
+    rewards = batch_score([s.text for s in samples], [r.eval_set[s.prompt_index].answer for s in samples],
+                          r.eval_set.reward_kind)
+    mean = sum(rewards) / max(len(rewards), 1)
+    r.logger.log(step, {"eval/reward": mean, "eval/n": len(rewards)})
+    return mean
+
+
+# ---------------------------------------------------------------------------------------- the end
+def finish(r: Run, eval_first: float | None) -> None:
+    """Final eval, the adapter, the kernel report, the plot; shut down; print the summary."""
+    from rlfp8.placement import call
+    eval_last = evaluate(r, r.cfg["steps"])
+    final = save_final_adapter(r)
+    kernels = {"trainer": call(r.placement.trainer.kernel_report), "engine": call(r.placement.engine.kernel_report),
+               "engine_precision": r.cfg["engine"]["precision"]}
+    (r.run_dir / "kernels.json").write_text(json.dumps(kernels, indent=2))
+    plot = r.logger.finish()
+    r.placement.shutdown()
+    shutil.rmtree(r.scratch_dir, ignore_errors=True)
+
+    first = sum(r.first_rewards) / len(r.first_rewards) if r.first_rewards else float("nan")
+    last = sum(r.last_rewards) / len(r.last_rewards) if r.last_rewards else first
+    print("\n== rlfp8 run finished in %.0f s" % (time.time() - r.t_start))
+    if eval_first is not None:
+        print(f"   eval reward (held-out, greedy): {eval_first:.3f} before -> {eval_last:.3f} after")
+    else:
+        print(f"   eval reward (held-out, greedy): {eval_last:.3f} after (resumed run)")
+    print(f"   train reward (mean of first 3 steps -> last 3 steps): {first:.3f} -> {last:.3f}")
+    print(f"   adapter (PEFT format): {final}")
+    print(f"   plot: {plot}")
+    print(f"   metrics: {r.run_dir / 'metrics.jsonl'}   config: {r.run_dir / 'config.yaml'}")
+    print(f"   kernels that ran: {kernels}")
+
+
+# ---------------------------------------------------------------------------------------- run folder
+def open_run_folder(cfg: dict) -> tuple[Path, Path | None]:
+    """The run folder (created) and, with resume=true, the checkpoint to continue from."""
+    if cfg["run_dir"]:
+        run_dir = Path(cfg["run_dir"]).expanduser().resolve()
+    else:
+        run_dir = (Path("runs") / f"{cfg['recipe']}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    cfg["run_dir"] = str(run_dir)
+    resume_from = None
+    if cfg["resume"]:
+        resume_from = latest_checkpoint(run_dir)
+        if resume_from is None:
+            raise RunFolderError(f"resume=true but {run_dir}/checkpoints holds no complete checkpoint")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log.info("run folder: %s", run_dir)
+    return run_dir, resume_from
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -62,194 +319,49 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def run(cfg: dict) -> int:
-    import torch
-    from tqdm import tqdm
-
-    from rlfp8 import algos
-    from rlfp8.data import batch_score, build_dataset, render_prompt
-    from rlfp8.logger import RunLogger
-    from rlfp8.placement import Placement
-    from rlfp8.trainer.core import Rollouts
-    from rlfp8.trainer.hf_models import resolve_model
-
-    t_start = time.time()
-    run_dir = _run_dir(cfg)
-    cfg["run_dir"] = str(run_dir)
-    resume_from = None
-    if cfg["resume"]:
-        resume_from = latest_checkpoint(run_dir)
-        if resume_from is None:
-            print(f"rlfp8-train: resume=true but {run_dir}/checkpoints holds no complete checkpoint", file=sys.stderr)
-            return 2
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log.info("run folder: %s", run_dir)
-
-    model_path = str(resolve_model(cfg["model"]["path"], cfg.get("cache_dir"), seed=cfg["seed"]))
-    cfg["model"]["resolved_path"] = model_path
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    dcfg = {k: v for k, v in cfg["data"].items() if k != "prompts_per_step"}
-    dcfg.setdefault("seed", cfg["seed"])
-    train_stream, eval_set = build_dataset(dcfg, tokenizer=tokenizer)
-    render = lambda ex: render_prompt(tokenizer, ex, cfg["data"]["use_chat_template"], cfg["data"]["system_prompt"])  # noqa: E731
-
-    logger = RunLogger(run_dir, config=cfg, wandb_mode=cfg["logger"]["wandb"]["mode"],
-                       project=cfg["logger"]["wandb"]["project"], name=cfg["logger"]["wandb"]["name"] or run_dir.name,
-                       resume=resume_from is not None)
-    placement = Placement(cfg, model_path)
-    import ray
-    engine, trainer = placement.engine, placement.trainer
-
-    a = cfg["algo"]
-    start_step = 0
-    if resume_from is not None:
-        state = json.loads((resume_from / "driver.json").read_text())
-        ray.get(trainer.call.remote("load_checkpoint", str(resume_from)))
-        train_stream.load_state_dict(state["data"])
-        start_step = state["step"]
-        logger.truncate_after(start_step)
-        log.info("resumed from %s at step %d", resume_from, start_step + 1)
-
-    def evaluate(step: int) -> float:
-        ids = [render(ex) for ex in eval_set]
-        samples = ray.get(engine.call.remote("generate", ids, 1, 1.0, a["max_response_len"], greedy=True))
-        rewards = batch_score([s.text for s in samples], [eval_set[s.prompt_index].answer for s in samples],
-                              eval_set.reward_kind)
-        r = sum(rewards) / max(len(rewards), 1)
-        logger.log(step, {"eval/reward": r, "eval/n": len(rewards)})
-        return r
-
-    probe = _make_probe(cfg, engine, trainer, [render(ex) for ex in eval_set])
-
-    def sync(step: int) -> dict:
-        """The trainer's adapter goes to the engine as tensors (in-place slot update), then the parity probe."""
-        update = ray.get(trainer.call.remote("adapter_update"))
-        ray.get(engine.call.remote("set_adapter", update))
-        every = cfg["engine"]["parity_probe"]["every"]
-        if probe is None or not every or update["version"] % every:
-            return {}
-        from rlfp8.rollout.adapter_slots import expected_checksums
-        dtype = ray.get(engine.call.remote("lora_dtype"))
-        return probe.check(version=update["version"], step=step,
-                           engine_score=lambda q, p, a: ray.get(engine.call.remote("score", q, p, a)),
-                           trainer_score=lambda q, p: ray.get(trainer.call.remote("score_tokens", q, p)),
-                           engine_checksums=ray.get(engine.call.remote("slot_checksums")),
-                           expected_checksums=expected_checksums(update, getattr(torch, dtype.split(".")[-1])))
-
-    sync(start_step)
-    eval_first = evaluate(start_step) if start_step == 0 else None
-    first_rewards, last_rewards = [], []
-    bar = tqdm(range(start_step, cfg["steps"]), desc="rl", unit="step", initial=start_step, total=cfg["steps"],
-               dynamic_ncols=True, file=sys.stderr)
-    for step in bar:
-        t0 = time.time()
-        bar.set_description(f"step {step + 1}: rollout")
-        examples = train_stream.next_batch(cfg["data"]["prompts_per_step"])
-        prompt_ids = [render(ex) for ex in examples]
-        samples = ray.get(engine.call.remote("generate", prompt_ids, a["group_size"], a["temperature"],
-                                             a["max_response_len"], top_p=cfg["engine"]["top_p"],
-                                             top_k=cfg["engine"]["top_k"]))
-        t_roll = time.time() - t0
-        rewards = batch_score([s.text for s in samples], [examples[s.prompt_index].answer for s in samples],
-                              train_stream.reward_kind)
-        adv = algos.compute_advantages(torch.tensor(rewards), a["group_size"], a["advantage"], a["std_eps"])
-        batch = Rollouts(input_ids=[prompt_ids[s.prompt_index] + s.token_ids for s in samples],
-                         prompt_lens=[len(prompt_ids[s.prompt_index]) for s in samples],
-                         rollout_logprobs=[s.logprobs for s in samples], advantages=adv.tolist())
-        bar.set_description(f"step {step + 1}: train")
-        t1 = time.time()
-        metrics = placement.train(batch)
-        t_train = time.time() - t1
-        bar.set_description(f"step {step + 1}: sync")
-        t2 = time.time()
-        metrics.update(sync(step + 1))
-        placement.after_sync()
-        t_sync = time.time() - t2
-        resp_lens = [len(s.token_ids) for s in samples]
-        reward_mean = sum(rewards) / len(rewards)
-        groups = torch.tensor(rewards).view(-1, a["group_size"])
-        metrics.update({
-            "reward/mean": reward_mean, "reward/std": float(torch.tensor(rewards).std()) if len(rewards) > 1 else 0.0,
-            "reward/mixed_groups_frac": float(((groups.max(1).values - groups.min(1).values) > 0).float().mean()),
-            "response/length_mean": sum(resp_lens) / len(resp_lens), "response/length_max": max(resp_lens),
-            "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
-            "time/rollout": t_roll, "time/train": t_train, "time/sync": t_sync, "time/step": time.time() - t0,
-            "rollout/tokens_per_s": sum(resp_lens) / max(t_roll, 1e-9),
-        })
-        metrics.update(ray.get(engine.call.remote("memory")))
-        logger.log(step + 1, metrics)
-        (first_rewards if step < start_step + 3 else last_rewards).append(reward_mean)
-        last_rewards = last_rewards[-3:]
-        bar.set_postfix(reward=f"{reward_mean:.3f}", kl_k3=f"{metrics.get('mismatch/kl_k3', 0):.2e}")
-        done = step + 1 == cfg["steps"]
-        if cfg["eval_every"] and (step + 1) % cfg["eval_every"] == 0 and not done:
-            bar.set_description(f"step {step + 1}: eval")
-            evaluate(step + 1)
-        if done or (cfg["save_every"] and (step + 1) % cfg["save_every"] == 0):
-            bar.set_description(f"step {step + 1}: checkpoint")
-            _save_checkpoint(run_dir, step + 1, trainer, train_stream, cfg["keep_checkpoints"])
-    bar.close()
-
-    eval_last = evaluate(cfg["steps"])
-    final = run_dir / "adapter"
-    ray.get(trainer.call.remote("save_checkpoint", str(run_dir / ".final")))
-    if final.exists():
-        shutil.rmtree(final)
-    shutil.move(str(run_dir / ".final" / "adapter"), str(final))
-    shutil.rmtree(run_dir / ".final", ignore_errors=True)
-    kernels = {"trainer": ray.get(trainer.call.remote("kernel_report")),
-               "engine": ray.get(engine.call.remote("kernel_report")), "engine_precision": cfg["engine"]["precision"]}
-    (run_dir / "kernels.json").write_text(json.dumps(kernels, indent=2))
-    plot = logger.finish()
-    placement.shutdown()
-
-    first = sum(first_rewards) / len(first_rewards) if first_rewards else float("nan")
-    last = sum(last_rewards) / len(last_rewards) if last_rewards else first
-    print("\n== rlfp8 run finished in %.0f s" % (time.time() - t_start))
-    if eval_first is not None:
-        print(f"   eval reward (held-out, greedy): {eval_first:.3f} before -> {eval_last:.3f} after")
-    else:
-        print(f"   eval reward (held-out, greedy): {eval_last:.3f} after (resumed run)")
-    print(f"   train reward (mean of first 3 steps -> last 3 steps): {first:.3f} -> {last:.3f}")
-    print(f"   adapter (PEFT format): {final}")
-    print(f"   plot: {plot}")
-    print(f"   metrics: {run_dir / 'metrics.jsonl'}   config: {run_dir / 'config.yaml'}")
-    print(f"   kernels that ran: {kernels}")
-    return 0
-
-
-def _make_probe(cfg: dict, engine, trainer, eval_prompts: list[list[int]]):
-    """Fixed probe sequences (the first eval prompts + the base model's greedy answers) and the pair's floor."""
-    import ray
-    from rlfp8.parity import ParityProbe
-    pcfg = cfg["engine"]["parity_probe"]
-    if not pcfg["every"]:
-        return None
-    prompts = eval_prompts[: pcfg["size"]]
-    answers = ray.get(engine.call.remote("generate", prompts, 1, 1.0, cfg["algo"]["max_response_len"],
-                                         use_adapter=False, greedy=True))
-    seqs = [prompts[s.prompt_index] + (s.token_ids or [0]) for s in answers]
-    probe = ParityProbe(seqs, [len(prompts[s.prompt_index]) for s in answers], factor=pcfg["factor"],
-                        abs_tol=pcfg["abs_tol"])
-    floor = probe.measure_floor(lambda q, p, a: ray.get(engine.call.remote("score", q, p, a)),
-                                lambda q, p: ray.get(trainer.call.remote("score_tokens", q, p, False)))
-    log.info("parity probe: %d sequences, floor (no adapter) mean |dlogp| = %.3e", len(seqs), floor)
-    return probe
-
-
-def _save_checkpoint(run_dir: Path, step: int, trainer, stream, keep: int) -> None:
-    import ray
-    d = run_dir / "checkpoints" / f"step_{step:06d}"
+def save_checkpoint(r: Run, step: int) -> None:
+    from rlfp8.placement import call
+    d = r.run_dir / "checkpoints" / f"step_{step:06d}"
     if d.exists():
         shutil.rmtree(d)
     d.mkdir(parents=True)
-    ray.get(trainer.call.remote("save_checkpoint", str(d)))
-    (d / "driver.json").write_text(json.dumps({"step": step, "data": stream.state_dict()}))
+    call(r.placement.trainer.save_checkpoint, str(d))
+    (d / "driver.json").write_text(json.dumps({"step": step, "data": r.train_stream.state_dict()}))
     (d / "COMPLETE").write_text(time.strftime("%Y-%m-%d %H:%M:%S"))      # written last: the marker of a whole one
     done = sorted(p for p in d.parent.glob("step_*") if (p / "COMPLETE").exists())
-    for old in done[:-keep]:
+    for old in done[:-r.cfg["keep_checkpoints"]]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def restore(r: Run, ckpt: Path) -> None:
+    """Trainer state, data cursor and step from a checkpoint; metrics after it dropped; adapter synced."""
+    from rlfp8.placement import call
+    state = json.loads((ckpt / "driver.json").read_text())
+    call(r.placement.trainer.load_checkpoint, str(ckpt))
+    r.train_stream.load_state_dict(state["data"])
+    r.start_step = state["step"]
+    r.logger.truncate_after(r.start_step)
+    sync(r, r.start_step)
+    log.info("resumed from %s at step %d", ckpt, r.start_step + 1)
+
+
+def save_final_adapter(r: Run) -> Path:
+    from rlfp8.placement import call
+    final, tmp = r.run_dir / "adapter", r.run_dir / ".final"
+    call(r.placement.trainer.save_checkpoint, str(tmp))
+    if final.exists():
+        shutil.rmtree(final)
+    shutil.move(str(tmp / "adapter"), str(final))
+    shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _ram_dir(run_dir: Path) -> Path:
+    """Adapters travel to the engine through a RAM-backed folder when there is one."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else run_dir
+    d = base / f"rlfp8-{os.getpid()}-{run_dir.name}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
 
 
 if __name__ == "__main__":

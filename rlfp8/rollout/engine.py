@@ -68,7 +68,7 @@ class RolloutEngine:
         )
         if quant:
             kwargs["quantization"] = quant
-        self.kv_release = bool(ecfg.get("release_kv_resolved", False))
+        self.kv_release = kv_release_enabled(cfg)
         if self.kv_release:
             kwargs["enable_sleep_mode"] = True            # KV in vLLM's cuMem pool; weights kept out (plugin)
         if not compat.on_cpu_build():
@@ -210,6 +210,18 @@ class RolloutEngine:
         if not self.kv_release:
             raise RuntimeError("resume_kv: this engine was started without engine.release_kv (sleep mode)")
         self.llm.collective_rpc("wake_up", kwargs={"tags": ["kv_cache"]})
+
+
+def kv_release_enabled(cfg: dict) -> bool:
+    """engine.release_kv: true | false | auto (= on for placement=one_copy on a GPU: vLLM's sleep mode needs
+    its cuMem allocator, which the CPU build does not have)."""
+    import torch
+    value = cfg["engine"]["release_kv"]
+    if value == "auto":
+        return cfg["placement"]["name"] == "one_copy" and torch.cuda.is_available()
+    if value and not torch.cuda.is_available():
+        raise ValueError("engine.release_kv=true needs a CUDA GPU (vLLM's sleep mode); use false or auto")
+    return bool(value)
 
 
 def _write_peft_folder(folder: Path, update: dict) -> None:

@@ -1,8 +1,9 @@
 """PolicyTrainer: the FP8-base LoRA policy, its optimizer, and one GRPO/PPO update per RL step.
 
 Design choices:
-- The base projections are FP8 codes (or a 16-bit copy for the trainer.weights=bf16 arm), loaded and
-  quantized one layer at a time; embeddings, norms and lm_head stay in the model dtype, frozen.
+- The base comes from a base-weight source (weights.py): FP8 codes (or a 16-bit copy for the
+  trainer.weights=bf16 arm), loaded and quantized one layer at a time; embeddings, norms and lm_head
+  stay in the model dtype, frozen. The trainable tensors come from the adapter kind (adapters.py).
 - Log-probs come from `sequence_logprobs` (chunked lm_head, recompute in backward): [B, T, V] never exists.
 - Sequences are grouped into micro-batches by a token budget (padded length x rows) and into
   `mini_batches` optimizer steps per RL step. With one mini-batch and one epoch the update is
@@ -10,6 +11,7 @@ Design choices:
   extra forward pass runs. Otherwise old log-probs come from one no-grad pass first.
 - The loss of a micro-batch is normalised by a denominator of the whole mini-batch
   (rlfp8.algos.aggregation_denominator), so gradient accumulation needs no re-weighting.
+- train_step = forward_backward + optimizer_step per mini-batch and epoch (interface.py).
 - Non-finite gradients skip the optimizer step and are counted (train/skipped_steps).
 - Engine-vs-trainer mismatch is measured on the sampled tokens before the update (pi_old vs the
   engine's log-probs), every step.
@@ -19,7 +21,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,31 +28,17 @@ import torch
 from rlfp8 import algos
 from rlfp8.kernels import dispatch
 from .adapter_io import load_adapter, save_adapter
-from .dora import trainable_params
-from .fp8_lora import DEFAULT_TARGETS, adapters_disabled, apply_lora, lora_modules
+from .adapters import adapter_kind
+from .fp8_lora import adapters_disabled
+from .interface import MiniBatch, Rollouts, TrainerInterface
 from .logprobs import sequence_logprobs
+from .weights import make_weight_source
+
+__all__ = ["PolicyTrainer", "Rollouts", "MiniBatch", "pick_device"]
 
 log = logging.getLogger("rlfp8.trainer")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-@dataclass
-class Rollouts:
-    """One RL batch, sequence-major. input_ids = prompt + response token ids."""
-    input_ids: list[list[int]]
-    prompt_lens: list[int]
-    rollout_logprobs: list[list[float]]     # per response token, under the distribution sampled from
-    advantages: list[float]
-
-    def __post_init__(self):
-        n = len(self.input_ids)
-        for name in ("prompt_lens", "rollout_logprobs", "advantages"):
-            if len(getattr(self, name)) != n:
-                raise ValueError(f"Rollouts.{name} has {len(getattr(self, name))} rows, input_ids has {n}")
-        for i, (ids, p, lp) in enumerate(zip(self.input_ids, self.prompt_lens, self.rollout_logprobs)):
-            if len(ids) - p != len(lp) or len(lp) == 0:
-                raise ValueError(f"Rollouts row {i}: {len(ids) - p} response tokens but {len(lp)} rollout log-probs")
 
 
 def pick_device(spec: str) -> torch.device:
@@ -60,95 +47,48 @@ def pick_device(spec: str) -> torch.device:
     return torch.device(spec)
 
 
-class PolicyTrainer:
-    def __init__(self, model_path: str, cfg: dict):
-        """cfg: the resolved config as a plain dict (keys model, adapter, trainer, algo)."""
+class PolicyTrainer(TrainerInterface):
+    def __init__(self, model_path: str, cfg: dict, weight_source: str = "quantize"):
+        """cfg: the resolved config as a plain dict; weight_source: a name in rlfp8.trainer.weights.SOURCES."""
         t0 = time.time()
         self.cfg = cfg
-        mcfg, acfg, tcfg = cfg["model"], cfg["adapter"], cfg["trainer"]
+        tcfg = cfg["trainer"]
         self.model_path = str(model_path)
-        self.device = pick_device(tcfg.get("device", "auto"))
-        self.dtype = DTYPES[mcfg["dtype"]]
-        dispatch.set_backend(tcfg.get("kernels", "auto"))
-        if self.device.type == "cpu" and tcfg.get("num_threads", 0):
+        self.device = pick_device(tcfg["device"])
+        self.dtype = DTYPES[cfg["model"]["dtype"]]
+        dispatch.set_backend(tcfg["kernels"])
+        if self.device.type == "cpu" and tcfg["num_threads"]:
             torch.set_num_threads(int(tcfg["num_threads"]))
-        torch.manual_seed(int(cfg.get("seed", 0)))
-
-        from transformers import AutoModelForCausalLM
-        # Load the 16-bit checkpoint on the CPU, then quantize/move one projection at a time.
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, low_cpu_mem_usage=True)
-        if getattr(model.get_output_embeddings(), "bias", None) is not None:
-            raise NotImplementedError("lm_head with a bias is not supported by the chunked log-prob path")
-        self.replaced = apply_lora(model, rank=int(acfg["rank"]), alpha=float(acfg["alpha"]),
-                                   targets=acfg.get("target_modules") or DEFAULT_TARGETS,
-                                   use_rslora=bool(acfg.get("use_rslora", False)), weights=tcfg["weights"],
-                                   device=self.device, adapter_type=acfg.get("type", "lora"))
-        model.to(self.device)
-        model.config.use_cache = False
-        if tcfg.get("gradient_checkpointing", False):
+        torch.manual_seed(int(cfg["seed"]))
+        self.adapter = adapter_kind(cfg["adapter"]["type"])
+        self.weights = make_weight_source(weight_source)
+        self.model, self.replaced = self.weights.load(self.model_path, cfg, self.device, self.dtype)
+        if tcfg["gradient_checkpointing"]:
             # transformers >= 5.24 renamed it; the GPU machines run 5.17
-            if hasattr(model, "activation_checkpointing_enable"):
-                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(self.model, "activation_checkpointing_enable"):
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-        self.model = model
-        self.params = [p for m in lora_modules(model).values() for p in trainable_params(m).values()]
-        betas = tuple(tcfg.get("betas", (0.9, 0.999)))
-        self.optimizer = torch.optim.AdamW(self.params, lr=float(tcfg["lr"]), betas=betas,
-                                           weight_decay=float(tcfg.get("weight_decay", 0.0)), eps=1e-8)
-        warmup = int(tcfg.get("warmup_steps", 0))
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.train()
+        self.params = list(self.adapter.trainable_parameters(self.model).values())
+        self.optimizer = torch.optim.AdamW(self.params, lr=float(tcfg["lr"]), betas=tuple(tcfg["betas"]),
+                                           weight_decay=float(tcfg["weight_decay"]), eps=1e-8)
+        warmup = int(tcfg["warmup_steps"])
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
         self.step = 0
         self.skipped_steps = 0
         self.adapter_version = 0
-        self._offloaded = False
-        log.info("trainer ready in %.1fs: %d projections (%s base), %d trainable params, device %s",
-                 time.time() - t0, len(self.replaced), tcfg["weights"], sum(p.numel() for p in self.params), self.device)
+        log.info("trainer ready in %.1fs: %d projections (%s base, source %s), %d trainable params, device %s",
+                 time.time() - t0, len(self.replaced), tcfg["weights"], self.weights.name,
+                 sum(p.numel() for p in self.params), self.device)
 
     # ------------------------------------------------------------------ placement
-    def base_tensors(self) -> list[tuple[torch.nn.Module, str]]:
-        """(module, buffer name) of every frozen tensor: what `offloaded` moves out between phases."""
-        out = []
-        for mod in self.model.modules():
-            for name, b in mod.named_buffers(recurse=False):
-                if b is not None and b.numel() > 0:
-                    out.append((mod, name))
-            for name, p in mod.named_parameters(recurse=False):
-                if not p.requires_grad:
-                    out.append((mod, name))
-        return out
+    def release_base(self) -> None:
+        self.weights.release(self.model, self.device)
 
-    def offload(self) -> None:
-        """Move the frozen base to (pinned, on a GPU machine) host memory; adapters and optimizer stay."""
-        if self.device.type != "cuda" or self._offloaded:
-            self._offloaded = True
-            return
-        for mod, name in self.base_tensors():
-            t = getattr(mod, name)
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            self._set(mod, name, host)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        self._offloaded = True
-
-    def onload(self) -> None:
-        if self.device.type != "cuda" or not self._offloaded:
-            self._offloaded = False
-            return
-        for mod, name in self.base_tensors():
-            self._set(mod, name, getattr(mod, name).to(self.device, non_blocking=True))
-        torch.cuda.synchronize()
-        self._offloaded = False
-
-    @staticmethod
-    def _set(mod, name, t):
-        if name in mod._parameters:
-            mod._parameters[name] = torch.nn.Parameter(t, requires_grad=False)
-        else:
-            mod._buffers[name] = t
+    def restore_base(self) -> None:
+        self.weights.restore(self.model, self.device)
 
     # ------------------------------------------------------------------ batching
     def _micro_batches(self, rows: list[int], lengths: list[int]) -> list[list[int]]:
@@ -186,122 +126,127 @@ class PolicyTrainer:
                 "mask": resp[:, 1:].to(d), "rollout_logp": rlp.to(d), "advantages": adv.to(d)}
 
     def _logp(self, mb, entropy=False):
-        a = self.cfg["algo"]
         return sequence_logprobs(self.model, mb["input_ids"], mb["attention_mask"], mb["loss_mask_full"],
-                                 temperature=float(a["temperature"]),
-                                 chunk_size=int(self.cfg["trainer"].get("logprob_chunk", 1024)), entropy=entropy)
+                                 temperature=float(self.cfg["algo"]["temperature"]),
+                                 chunk_size=int(self.cfg["trainer"]["logprob_chunk"]), entropy=entropy)
 
-    # ------------------------------------------------------------------ the update
-    def train_step(self, batch: Rollouts) -> dict[str, float]:
-        if self._offloaded:
-            self.onload()
-        t0 = time.time()
-        a, tcfg = self.cfg["algo"], self.cfg["trainer"]
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+    def _plan(self, batch: Rollouts) -> list[MiniBatch]:
+        """Split the rows into mini-batches of micro-batches, collate each once, and precompute the
+        no-grad log-probs (pi_old when off-policy, the base for a KL term)."""
+        algo_cfg, tcfg = self.cfg["algo"], self.cfg["trainer"]
         n = len(batch.input_ids)
         lengths = [len(s) for s in batch.input_ids]
-        n_mini = max(1, min(int(tcfg.get("mini_batches", 1)), n))
-        epochs = int(tcfg.get("epochs", 1))
-        minis = [list(range(n))[k::n_mini] for k in range(n_mini)]
-        plan = [(mi, self._micro_batches(rows, lengths)) for mi, rows in enumerate(minis)]
-        on_policy = n_mini == 1 and epochs == 1
-        use_kl = float(a.get("kl_coef", 0.0)) > 0
-        max_resp = int(a.get("max_response_len", max(l - p for l, p in zip(lengths, batch.prompt_lens))))
-
-        collated: dict[tuple, dict] = {}          # micro-batch rows -> device tensors, built once per step
-
-        def micro_batch(rows):
-            key = tuple(rows)
-            if key not in collated:
-                collated[key] = self._collate(batch, rows)
-            return key, collated[key]
-
-        old, ref = {}, {}
+        n_mini = max(1, min(int(tcfg["mini_batches"]), n))
+        on_policy = n_mini == 1 and int(tcfg["epochs"]) == 1
+        use_kl = float(algo_cfg["kl_coef"]) > 0
+        plan = []
+        for k in range(n_mini):
+            rows = list(range(n))[k::n_mini]
+            resp_lens = torch.tensor([lengths[i] - batch.prompt_lens[i] for i in rows])
+            mini_mask = torch.arange(int(resp_lens.max()))[None, :] < resp_lens[:, None]      # [b, T]
+            denom = algos.aggregation_denominator(mini_mask, algo_cfg["loss_agg"], int(algo_cfg["max_response_len"]))
+            mbs = [self._collate(batch, mb_rows) for mb_rows in self._micro_batches(rows, lengths)]
+            plan.append(MiniBatch(mbs, denom))
         if not on_policy or use_kl:
             with torch.no_grad():
-                for _, mbs in plan:
-                    for rows in mbs:
-                        key, mb = micro_batch(rows)
-                        if not on_policy:
-                            old[key] = self._logp(mb)
-                        if use_kl:
-                            with adapters_disabled(self.model):
-                                ref[key] = self._logp(mb)
+                for mb in (mb for mini in plan for mb in mini.micro_batches):
+                    if not on_policy:
+                        mb["old_logp"] = self._logp(mb)
+                    if use_kl:
+                        with adapters_disabled(self.model):
+                            mb["ref_logp"] = self._logp(mb)
+        return plan
 
-        metrics_acc: dict[str, list[float]] = {}
-        mism_old, mism_eng, mism_mask = [], [], []
-        tokens = 0
+    def _policy_loss(self, mb: dict, logp: torch.Tensor, old_logp: torch.Tensor,
+                     denom: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss of one micro-batch (normalised by the mini-batch's denominator) and its metrics."""
+        algo_cfg = self.cfg["algo"]
+        mask, metrics = mb["mask"], {}
+        w, wm = algos.importance_weights(old_logp, mb["rollout_logp"], mask, mode=algo_cfg["correction"],
+                                         cap=float(algo_cfg["tis_cap"]), low=algo_cfg["tis_low"])
+        per_tok, pm = algos.policy_loss_terms(logp, old_logp, mb["advantages"], mask,
+                                              clip_eps_low=float(algo_cfg["clip_eps_low"]),
+                                              clip_eps_high=float(algo_cfg["clip_eps_high"]), is_weights=w)
+        loss = algos.aggregate(per_tok, mask, algo_cfg["loss_agg"], denom)
+        if "ref_logp" in mb:
+            kl = algos.kl_penalty(logp, mb["ref_logp"], algo_cfg["kl_estimator"])
+            loss = loss + float(algo_cfg["kl_coef"]) * algos.aggregate(kl, mask, algo_cfg["loss_agg"], denom)
+            metrics["train/kl_ref"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
+        metrics.update({k if "/" in k else f"train/{k}": v for k, v in {**pm, **wm}.items()})
+        return loss, metrics
+
+    # ------------------------------------------------------------------ the update
+    def forward_backward(self, mini_batch: MiniBatch) -> dict[str, list[float]]:
+        self.optimizer.zero_grad(set_to_none=True)
+        acc: dict[str, list[float]] = {}
+        for mb in mini_batch.micro_batches:
+            logp, ent = self._logp(mb, entropy=True)
+            old_logp = mb["old_logp"] if "old_logp" in mb else logp.detach()
+            mask = mb["mask"]
+            if mini_batch.mismatch is not None:      # mismatch of pi_old vs the engine, once per sequence
+                mini_batch.mismatch.append((old_logp.detach(), mb["rollout_logp"], mask))
+            loss, metrics = self._policy_loss(mb, logp, old_logp, mini_batch.denominator)
+            loss.backward()
+            if "train/kl_ref" in metrics:
+                _acc(acc, "train/kl_ref", metrics.pop("train/kl_ref"))
+            _acc(acc, "train/tokens", int(mb["attention_mask"].sum()))
+            _acc(acc, "train/loss", loss.item())
+            _acc(acc, "train/entropy", float((ent * mask).sum() / mask.sum().clamp(min=1)))
+            for k, v in metrics.items():
+                _acc(acc, k, v)
+        return acc
+
+    def optimizer_step(self) -> dict[str, float]:
+        gn = torch.nn.utils.clip_grad_norm_(self.params, float(self.cfg["trainer"]["grad_clip"]))
+        if torch.isfinite(gn):
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            self.skipped_steps += 1
+            log.warning("non-finite gradient norm (%s) at step %d: optimizer step skipped", gn.item(), self.step)
+            self.optimizer.zero_grad(set_to_none=True)
+        return {"train/grad_norm": float(gn), "train/skipped_steps": self.skipped_steps}
+
+    def train_step(self, batch: Rollouts) -> dict[str, float]:
+        t0 = time.time()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        plan = self._plan(batch)
+        epochs = int(self.cfg["trainer"]["epochs"])
+        acc: dict[str, list[float]] = {}
+        mismatch: list = []
         grad_norms = []
         for epoch in range(epochs):
-            for mi, mbs in plan:
-                resp_lens = torch.tensor([lengths[i] - batch.prompt_lens[i] for i in minis[mi]])
-                mini_mask = torch.arange(int(resp_lens.max()))[None, :] < resp_lens[:, None]      # [b, T]
-                denom = algos.aggregation_denominator(mini_mask, a["loss_agg"], max_resp)
-                self.optimizer.zero_grad(set_to_none=True)
-                for rows in mbs:
-                    key, mb = micro_batch(rows)
-                    logp, ent = self._logp(mb, entropy=True)
-                    old_logp = logp.detach() if on_policy else old[key]
-                    mask = mb["mask"]
-                    if epoch == 0:                   # mismatch of pi_old vs the engine, once per sequence
-                        mism_old.append(old_logp.detach())
-                        mism_eng.append(mb["rollout_logp"])
-                        mism_mask.append(mask)
-                    w, wm = algos.importance_weights(old_logp, mb["rollout_logp"], mask, mode=a["correction"],
-                                                     cap=float(a.get("tis_cap", 2.0)), low=a.get("tis_low"))
-                    per_tok, pm = algos.policy_loss_terms(logp, old_logp, mb["advantages"], mask,
-                                                          clip_eps_low=float(a["clip_eps_low"]),
-                                                          clip_eps_high=float(a["clip_eps_high"]), is_weights=w)
-                    loss = algos.aggregate(per_tok, mask, a["loss_agg"], denom)
-                    if use_kl:
-                        kl = algos.kl_penalty(logp, ref[key], a.get("kl_estimator", "k3"))
-                        loss = loss + float(a["kl_coef"]) * algos.aggregate(kl, mask, a["loss_agg"], denom)
-                        _acc(metrics_acc, "train/kl_ref", float((kl * mask).sum() / mask.sum().clamp(min=1)))
-                    loss.backward()
-                    tokens += int(mb["attention_mask"].sum())
-                    _acc(metrics_acc, "train/loss", loss.item())
-                    _acc(metrics_acc, "train/entropy", float((ent * mask).sum() / mask.sum().clamp(min=1)))
-                    for k, v in {**pm, **wm}.items():
-                        _acc(metrics_acc, k if "/" in k else f"train/{k}", v)
-                gn = torch.nn.utils.clip_grad_norm_(self.params, float(tcfg.get("grad_clip", 1.0)))
-                if torch.isfinite(gn):
-                    self.optimizer.step()
-                    self.scheduler.step()
-                else:
-                    self.skipped_steps += 1
-                    log.warning("non-finite gradient norm (%s) at step %d: optimizer step skipped", gn.item(), self.step)
-                    self.optimizer.zero_grad(set_to_none=True)
-                grad_norms.append(float(gn))
+            for mini in plan:
+                mini.mismatch = mismatch if epoch == 0 else None
+                for k, v in self.forward_backward(mini).items():
+                    acc.setdefault(k, []).extend(v)
+                grad_norms.append(self.optimizer_step()["train/grad_norm"])
         self.step += 1
-        out = {k: sum(v) / len(v) for k, v in metrics_acc.items()}
-        out["train/loss"] = sum(metrics_acc.get("train/loss", [0.0]))
-        out.update(_mismatch(mism_eng, mism_old, mism_mask, float(a.get("tis_cap", 2.0))))
-        dt = time.time() - t0
+        return self._step_metrics(acc, mismatch, grad_norms, epochs, time.time() - t0)
+
+    def _step_metrics(self, acc: dict, mismatch: list, grad_norms: list[float], epochs: int,
+                      seconds: float) -> dict[str, float]:
+        tokens = int(sum(acc.pop("train/tokens", [])))
+        out = {k: sum(v) / len(v) for k, v in acc.items()}
+        out["train/loss"] = sum(acc.get("train/loss", [0.0]))
+        old, eng, masks = zip(*mismatch) if mismatch else ((), (), ())
+        out.update(_mismatch(list(eng), list(old), list(masks), float(self.cfg["algo"]["tis_cap"])))
         out.update({"train/grad_norm": grad_norms[-1], "train/lr": self.scheduler.get_last_lr()[0],
                     "train/skipped_steps": self.skipped_steps, "train/tokens": tokens,
-                    "train/tokens_per_s": tokens * epochs / max(dt, 1e-9)})
-        if self.device.type == "cuda":
-            out["memory/trainer_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                    "train/tokens_per_s": tokens * epochs / max(seconds, 1e-9)})
+        out.update(self.memory())
         return out
 
     # ------------------------------------------------------------------ adapters and checkpoints
-    def export_adapter(self, out_dir: str) -> str:
+    def export_adapter(self) -> dict:
         self.adapter_version += 1
-        path = Path(out_dir) / f"v{self.adapter_version:06d}"
-        save_adapter(self.model, path, self.model_path)
-        return str(path)
-
-    def adapter_update(self) -> dict:
-        """The adapter as tensors for the engine's in-place sync: {"version", "tensors", "config"}."""
-        from .adapter_io import adapter_config, adapter_state_dict
-        self.adapter_version += 1
-        return {"version": self.adapter_version, "tensors": adapter_state_dict(self.model),
-                "config": adapter_config(self.model, self.model_path)}
+        return {"version": self.adapter_version, "tensors": self.adapter.state_dict(self.model),
+                "config": self.adapter.peft_config(self.model, self.model_path)}
 
     def save_checkpoint(self, ckpt_dir: str) -> None:
         d = Path(ckpt_dir)
-        save_adapter(self.model, d / "adapter", self.model_path)
+        save_adapter(self.model, d / "adapter", self.model_path, kind=self.adapter)
         torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                     "step": self.step, "skipped_steps": self.skipped_steps, "adapter_version": self.adapter_version,
                     "torch_rng": torch.get_rng_state(),
@@ -310,7 +255,7 @@ class PolicyTrainer:
 
     def load_checkpoint(self, ckpt_dir: str) -> None:
         d = Path(ckpt_dir)
-        load_adapter(self.model, d / "adapter")
+        load_adapter(self.model, d / "adapter", kind=self.adapter)
         st = torch.load(d / "trainer.pt", weights_only=False)
         self.optimizer.load_state_dict(st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
@@ -327,6 +272,11 @@ class PolicyTrainer:
 
     def kernel_report(self) -> dict:
         return dispatch.report()
+
+    def memory(self) -> dict[str, float]:
+        if self.device.type == "cuda":
+            return {"memory/trainer_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        return {}
 
     def score_tokens(self, sequences: list[list[int]], prompt_lens: list[int], use_adapter: bool = True) -> list[list[float]]:
         """Log-probs (temperature 1) of each sequence's tokens after its prompt: the parity probe's trainer side."""

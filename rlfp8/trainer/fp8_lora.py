@@ -76,17 +76,14 @@ class FP8LoRALinear(nn.Module):
 
 def apply_lora(model: nn.Module, rank: int, alpha: float, targets: Iterable[str] = DEFAULT_TARGETS,
                use_rslora: bool = False, weights: str = "fp8", device: torch.device | str | None = None,
-               exclude: str | None = None, adapter_type: str = "lora") -> list[str]:
-    """Replace every nn.Linear whose last name is in `targets` by an FP8LoRALinear (adapter_type="lora") or
-    an FP8DoRALinear ("dora", rlfp8/trainer/dora.py); freeze the rest.
+               exclude: str | None = None, module_cls: type | None = None) -> list[str]:
+    """Replace every nn.Linear whose last name is in `targets` by a `module_cls` (FP8LoRALinear by default;
+    the adapter kind names its class: rlfp8.trainer.adapters); freeze the rest.
 
     Modules are converted one at a time (quantize on `device`, drop the 16-bit weight) so the peak
     memory is the FP8 model plus one 16-bit layer. Returns the replaced module names.
     """
-    from .dora import ADAPTER_TYPES, FP8DoRALinear
-    if adapter_type not in ADAPTER_TYPES:
-        raise ValueError(f"adapter.type={adapter_type!r}: allowed values are {ADAPTER_TYPES}")
-    cls = FP8DoRALinear if adapter_type == "dora" else FP8LoRALinear
+    cls = module_cls or FP8LoRALinear
     targets = set(targets)
     unknown = targets - set(DEFAULT_TARGETS) - {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     if unknown:

@@ -19,12 +19,12 @@ from rlfp8.trainer.hf_models import make_tiny_qwen3  # noqa: E402
 
 
 def _cfg(precision, weights="fp8", adapter="lora"):
-    return {"seed": 0, "model": {"dtype": "float32"}, "adapter": {"rank": 8, "alpha": 16, "type": adapter},
-            "trainer": {"weights": weights, "lr": 1e-3, "micro_batch_tokens": 2048, "device": "cpu"},
-            "engine": {"precision": precision, "max_model_len": 256, "max_num_seqs": 16, "cpu_kv_cache_gb": 1,
-                       "enforce_eager": True, "enable_prefix_caching": True, "gpu_memory_utilization": 0.3,
-                       "kv_cache_memory_gb": None},
-            "algo": {"temperature": 1.0}}
+    from rlfp8.config import compose_dict
+    return compose_dict(["model=tiny", "model.dtype=float32", "adapter.rank=8", "adapter.alpha=16",
+                         f"adapter.type={adapter}", f"trainer.weights={weights}", "trainer.lr=1e-3",
+                         "trainer.micro_batch_tokens=2048", "trainer.device=cpu", f"engine.precision={precision}",
+                         "engine.max_model_len=256", "engine.max_num_seqs=16", "engine.cpu_kv_cache_gb=1",
+                         "algo.temperature=1.0"])
 
 
 def _randomize_b(trainer, std):
@@ -63,7 +63,7 @@ def test_plugin_is_installed_as_a_general_plugin():
 def test_matched_engine_logprobs_equal_fp8_trainer(matched, use_adapter):
     from rlfp8.kernels import dispatch
     trainer, engine, prompts = matched
-    engine.set_adapter(trainer.adapter_update() if use_adapter else None)
+    engine.set_adapter(trainer.export_adapter() if use_adapter else None)
     samples = engine.generate(prompts, n=3, temperature=1.0, max_tokens=12, seed=11)
     batch = _batch(prompts, samples)
     if use_adapter:
@@ -86,12 +86,12 @@ def test_in_place_update_changes_next_generate_without_new_ids_or_files(matched,
     import glob
     from rlfp8.rollout.compat import lora_adapter_manager
     trainer, engine, prompts = matched
-    engine.set_adapter(trainer.adapter_update())
+    engine.set_adapter(trainer.export_adapter())
     before = engine.generate(prompts, n=1, temperature=1.0, max_tokens=10, greedy=True)
     slot_a = lora_adapter_manager(engine.llm).modules["model.layers.0.self_attn.o_proj"].lora_a_stacked[0]
     ptr = slot_a.data_ptr()
     _randomize_b(trainer, 0.6)
-    update = trainer.adapter_update()
+    update = trainer.export_adapter()
     assert engine.set_adapter(update) == update["version"]
     after = engine.generate(prompts, n=1, temperature=1.0, max_tokens=10, greedy=True)
     assert [s.token_ids for s in before] != [s.token_ids for s in after]
@@ -110,7 +110,7 @@ def test_parity_probe_passes_then_stops_on_a_corrupted_slot(matched):
     probe = ParityProbe(seqs, lens, factor=4.0, abs_tol=1e-4)
     floor = probe.measure_floor(engine.score, lambda q, p: trainer.score_tokens(q, p, use_adapter=False))
     assert 0 < floor < 1e-4
-    update = trainer.adapter_update()
+    update = trainer.export_adapter()
     engine.set_adapter(update)
     kw = dict(engine_score=engine.score, trainer_score=trainer.score_tokens)
     ok = probe.check(version=update["version"], step=1, engine_checksums=engine.slot_checksums(),
@@ -154,7 +154,7 @@ def test_dora_adapter_served_without_merging(tmp_path):
         for name, p in trainer.model.named_parameters():
             if name.endswith("lora_magnitude_vector"):
                 p.mul_(1.0 + 0.3 * torch.rand_like(p))               # m away from the base norm: g matters
-    update = trainer.adapter_update()
+    update = trainer.export_adapter()
     assert any(k.endswith("lora_magnitude_vector") for k in update["tensors"])
     engine = RolloutEngine(str(folder), _cfg("w8a16", adapter="dora"))
     engine.set_adapter(update)

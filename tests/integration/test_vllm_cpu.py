@@ -6,23 +6,22 @@ import torch
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
+from rlfp8.config import compose_dict  # noqa: E402
 from rlfp8.trainer.core import PolicyTrainer, Rollouts  # noqa: E402
 from rlfp8.trainer.fp8_lora import adapters_disabled  # noqa: E402
 from rlfp8.trainer.hf_models import make_tiny_qwen3  # noqa: E402
 
 
 def _cfg(weights, precision="bf16"):
-    return {"seed": 0, "model": {"dtype": "float32"}, "adapter": {"rank": 8, "alpha": 16, "type": "lora"},
-            "trainer": {"weights": weights, "lr": 1e-3, "micro_batch_tokens": 2048, "device": "cpu"},
-            "engine": {"precision": precision, "max_model_len": 256, "max_num_seqs": 16, "cpu_kv_cache_gb": 1,
-                       "enforce_eager": True, "enable_prefix_caching": True, "gpu_memory_utilization": 0.3,
-                       "kv_cache_memory_gb": None},
-            "algo": {"temperature": 1.0}}
+    return compose_dict(["model=tiny", "adapter.rank=8", "adapter.alpha=16", f"trainer.weights={weights}",
+                         "trainer.lr=1e-3", "trainer.micro_batch_tokens=2048", "trainer.device=cpu",
+                         f"engine.precision={precision}", "engine.max_model_len=256", "engine.max_num_seqs=16",
+                         "engine.cpu_kv_cache_gb=1", "algo.temperature=1.0"])
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from rlfp8.rollout.engine import RolloutEngine
+    from rlfp8.rollout.actor import RolloutActor
     tmp = tmp_path_factory.mktemp("vllm")
     folder = make_tiny_qwen3(tmp / "tiny", seed=1)
     trainer = PolicyTrainer(str(folder), _cfg("bf16"))       # 16-bit base in model.dtype = fp32: the exact arm
@@ -31,13 +30,14 @@ def setup(tmp_path_factory):
         for p in trainer.params:
             if p.shape[-1] == 8:                             # lora_B [N, r]: random so the adapter matters
                 p.normal_(0, 0.3)
-    adapter = trainer.adapter_update()
-    engine = RolloutEngine(str(folder), _cfg("bf16"))
-    tok = engine.tokenizer
+    # the rollout actor in this process: its set_adapter(update) writes the PEFT folder for the engine
+    engine = RolloutActor(str(folder), _cfg("bf16"), str(tmp / "adapters"), num_threads=torch.get_num_threads())
+    assert engine.set_adapter(trainer.export_adapter()) == 1
+    tok = engine.engine.tokenizer
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": f"What is {a} + 3?"}],
                                            add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
                for a in range(4)]
-    return trainer, engine, adapter, prompts
+    return trainer, engine, prompts
 
 
 def _batch(prompts, samples):
@@ -49,9 +49,8 @@ def _batch(prompts, samples):
 @pytest.mark.parametrize("use_adapter", [False, True])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_engine_logprobs_equal_trainer_fp32(setup, use_adapter, temperature):
-    trainer, engine, adapter, prompts = setup
-    engine.set_adapter(adapter if use_adapter else None)
-    samples = engine.generate(prompts, n=3, temperature=temperature, max_tokens=16)
+    trainer, engine, prompts = setup
+    samples = engine.generate(prompts, n=3, temperature=temperature, max_tokens=16, use_adapter=use_adapter)
     assert len(samples) == 12 and all(len(s.token_ids) == len(s.logprobs) > 0 for s in samples)
     batch = _batch(prompts, samples)
     trainer.cfg["algo"]["temperature"] = temperature          # the trainer scores under the sampled distribution
@@ -70,10 +69,8 @@ def test_engine_logprobs_equal_trainer_fp32(setup, use_adapter, temperature):
 
 
 def test_adapter_changes_generation(setup):
-    trainer, engine, adapter, prompts = setup
-    engine.set_adapter(None)
-    base = engine.generate(prompts, n=1, temperature=1.0, max_tokens=12, greedy=True)
-    engine.set_adapter(adapter)
+    trainer, engine, prompts = setup
+    base = engine.generate(prompts, n=1, temperature=1.0, max_tokens=12, greedy=True, use_adapter=False)
     tuned = engine.generate(prompts, n=1, temperature=1.0, max_tokens=12, greedy=True)
     assert [s.token_ids for s in base] != [s.token_ids for s in tuned]
 

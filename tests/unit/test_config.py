@@ -1,7 +1,16 @@
 """Recipe + Hydra composition and validation: every bad key or value names itself and what is allowed."""
 import pytest
 
-from rlfp8.config import ConfigError, compose, to_dict
+import ast
+import functools
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from rlfp8 import config
+from rlfp8.config import UNAVAILABLE, ConfigError, compose, to_dict
+
+RLFP8 = Path(config.__file__).resolve().parent
 
 
 def test_default_recipe_is_quickstart():
@@ -12,7 +21,8 @@ def test_default_recipe_is_quickstart():
     assert cfg["placement"]["name"] == "two_copies" and cfg["trainer"]["weights"] == "fp8"
 
 
-def test_overrides_beat_the_recipe():
+def test_overrides_beat_the_recipe(monkeypatch):
+    monkeypatch.setattr(config, "cuda_available", lambda: True)      # w8a8 needs one
     cfg = to_dict(compose(["recipe=quickstart", "model=tiny", "steps=3", "placement=offloaded",
                            "engine.precision=w8a8", "trainer.weights=bf16", "algo.correction=tis"]))
     assert cfg["model"]["path"] == "tiny" and cfg["steps"] == 3 and cfg["placement"]["name"] == "offloaded"
@@ -26,7 +36,7 @@ def test_overrides_beat_the_recipe():
     ("steps=0", "steps=0: must be an integer >= 1"),
     ("trainer.lr=-1", "trainer.lr=-1"),
     ("trainer.nonsense=1", "nonsense"),
-    ("placement=one_copy", "offloaded"),          # Hydra lists the available options
+    ("placement=nowhere", "offloaded"),           # Hydra lists the available options
     ("recipe=nope", "allowed values are ['quickstart'"),
     ("resume=true", "resume=true needs run_dir"),
     ("algo.max_response_len=500", "engine.max_model_len"),
@@ -46,3 +56,174 @@ def test_user_recipe_file_and_typo_detection(tmp_path):
     typo.write_text("defaults:\n  - config\n  - _self_\nalgo:\n  grup_size: 4\n")
     with pytest.raises(ConfigError, match="grup_size"):
         compose([f"recipe={typo}"])
+
+
+# ------------------------------------------------------------------ combinations that cannot run
+@pytest.mark.parametrize("overrides,cuda,needle,reason", [
+    (["placement=one_copy"], True, "placement.name=one_copy: one_copy", config.NOT_BUILT),
+    (["adapter.type=dora"], True, "adapter.type=dora engine.precision=bf16: (vLLM's own LoRA kernels", config.UNSUPPORTED),
+    (["adapter.type=dora", "engine.precision=w8a8_vllm"], True, "adapter.type=dora engine.precision=w8a8_vllm",
+     config.UNSUPPORTED),
+    (["engine.precision=w8a8_vllm"], False, "engine.precision=w8a8_vllm: w8a8_vllm", config.NEEDS_CUDA),
+    (["trainer.device=cuda"], False, "trainer.device=cuda: trainer.device=cuda needs a CUDA GPU", config.NEEDS_CUDA),
+])
+def test_each_unavailable_combination_is_rejected_naming_its_keys(monkeypatch, overrides, cuda, needle, reason):
+    monkeypatch.setattr(config, "cuda_available", lambda: cuda)
+    with pytest.raises(ConfigError) as e:
+        compose(overrides)
+    msg = str(e.value)
+    assert needle in msg and "; use " in msg
+    assert reason in msg
+
+
+def test_dora_and_the_plugin_precisions_compose():
+    cfg = to_dict(compose(["adapter.type=dora", "engine.precision=w8a16"]))
+    assert cfg["adapter"]["type"] == "dora" and cfg["engine"]["precision"] == "w8a16"
+    assert to_dict(compose(["engine.precision=w8a8"]))["engine"]["precision"] == "w8a8"
+
+
+def test_unavailable_table_is_exercised_and_cuda_entries_pass_on_a_gpu(monkeypatch):
+    """Every entry of the table has a case above; the NEEDS_CUDA ones compose where CUDA exists."""
+    assert len(UNAVAILABLE) == 5
+    monkeypatch.setattr(config, "cuda_available", lambda: True)
+    for entry in UNAVAILABLE:
+        if entry.reason == config.NEEDS_CUDA:
+            (key, value), = entry.when.items()
+            assert config._get(compose([f"{key}={value}"]), key) == value
+
+
+def test_choices_come_from_the_registries():
+    from rlfp8 import algos
+    from rlfp8.kernels.dispatch import BACKENDS
+    from rlfp8.placement import STRATEGIES
+    c = config.choices()
+    assert c["algo.loss_agg"] is algos.AGG_MODES and c["trainer.kernels"] is BACKENDS
+    assert c["placement.name"] == tuple(STRATEGIES)
+    assert {p.stem for p in (config.CONF_DIR / "placement").glob("*.yaml")} == set(STRATEGIES)
+
+
+def test_data_values_are_checked_at_composition():
+    with pytest.raises(ConfigError, match="data.ops"):
+        compose(["data.ops=/"])
+
+
+# ------------------------------------------------------------------ code reads only keys the schema owns
+# How code reads the config (rlfp8/config.py): `cfg[...]` / `self.cfg[...]` from the root, or a section
+# alias assigned from exactly its section. Nothing else may be named like these.
+SECTION_ALIASES = {"tcfg": "trainer", "ecfg": "engine", "mcfg": "model", "acfg": "adapter", "algo_cfg": "algo",
+                   "lcfg": "logger", "rcfg": "ray", "dcfg": "data"}
+
+
+def _chain(node):
+    """The constant key path a subscript chain reads from the config, or None if it is not the config."""
+    if isinstance(node, ast.Subscript):
+        base = _chain(node.value)
+        key = node.slice
+        if base is None or not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+            return None
+        return base + (key.value,)
+    if isinstance(node, ast.Name):
+        if node.id == "cfg":
+            return ()
+        return (SECTION_ALIASES[node.id],) if node.id in SECTION_ALIASES else None
+    if isinstance(node, ast.Attribute) and node.attr == "cfg":
+        return ()
+    return None
+
+
+def _config_reads(tree):
+    """(line, key path) of every constant subscript of the config; (line, what) of every misuse."""
+    reads, misuse = [], []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript):
+            path = _chain(node)
+            if path:
+                reads.append((node.lineno, path))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            if _chain(node.func.value) is not None:
+                misuse.append((node.lineno, "config read with .get(): the default belongs in conf/"))
+        elif isinstance(node, ast.Assign):
+            pairs = (zip(node.targets[0].elts, node.value.elts)
+                     if isinstance(node.targets[0], ast.Tuple) and isinstance(node.value, ast.Tuple)
+                     else [(node.targets[0], node.value)])
+            for target, value in pairs:
+                if isinstance(target, ast.Name) and target.id in SECTION_ALIASES:
+                    if _chain(value) != (SECTION_ALIASES[target.id],):
+                        misuse.append((node.lineno, f"{target.id} must be assigned cfg[{SECTION_ALIASES[target.id]!r}]"))
+    return reads, misuse
+
+
+@functools.lru_cache(maxsize=1)
+def _schema_tree():
+    """The union of the base config over every option of every group (and the keys run() adds)."""
+    tree = {}
+    for group in sorted(p for p in config.CONF_DIR.iterdir() if p.is_dir()):
+        for option in sorted(group.glob("*.yaml")):
+            if option.stem == "common":
+                continue
+            cfg = config.base_config({group.name: option.stem})
+            OmegaConf.set_struct(cfg, False)
+            tree = OmegaConf.to_container(OmegaConf.merge(tree, cfg), resolve=False)
+    tree["recipe"] = "set by compose"
+    tree["model"]["resolved_path"] = "set by train.setup"
+    return tree
+
+
+def _owns(tree, path):
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return False
+        tree = tree[key]
+    return True
+
+
+def test_code_reads_no_config_key_the_schema_does_not_own():
+    tree = _schema_tree()          # cached: do not mutate
+    unknown, misuse, n_reads = [], [], 0
+    for path in sorted(RLFP8.rglob("*.py")):
+        if path.name == "config.py" and path.parent == RLFP8:
+            continue                                  # the schema itself (dotted keys, checked below)
+        reads, bad = _config_reads(ast.parse(path.read_text()))
+        n_reads += len(reads)
+        unknown += [f"{path.relative_to(RLFP8)}:{line}: {'.'.join(p)}" for line, p in reads if not _owns(tree, p)]
+        misuse += [f"{path.relative_to(RLFP8)}:{line}: {what}" for line, what in bad]
+    assert n_reads > 50                               # the scan sees the code's reads
+    assert not unknown, "config keys no conf/ file defines:\n" + "\n".join(unknown)
+    assert not misuse, "\n".join(misuse)
+    schema_keys = list(config.choices()) + list(config.POSITIVE_INT + config.NON_NEGATIVE_INT + config.POSITIVE_FLOAT)
+    schema_keys += [k for entry in UNAVAILABLE for k in entry.when]
+    assert [k for k in schema_keys if not _owns(tree, k.split("."))] == []
+
+
+def test_the_scan_catches_what_it_forbids():
+    reads, misuse = _config_reads(ast.parse(
+        "x = cfg['engine']['max_model_len']\ny = self.cfg['trainer'].get('lr', 1)\ntcfg = cfg['engine']\n"))
+    assert (1, ("engine", "max_model_len")) in reads and len(misuse) == 2
+    assert not _owns(_schema_tree(), ("engine", "gpu_mem"))
+
+
+def test_readme_config_tour_matches_conf():
+    """Every group option the README's tour lists exists in conf/, and every key it names is a key."""
+    import re
+    tree = _schema_tree()
+    readme = (config.REPO / "README.md").read_text()
+    tour = readme[readme.index("## Config tour"):readme.index("Math data")]
+    rows = [line.split("|")[1:4] for line in tour.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) >= 8
+    bad = []
+    for group_cell, options_cell, keys_cell in rows:
+        group = group_cell.strip().strip("`")
+        section = () if group == "top level" else (group,)
+        for option in re.findall(r"`([a-z0-9_]+)`", options_cell):
+            if not (config.CONF_DIR / group / f"{option}.yaml").exists():
+                bad.append(f"{group}={option}")
+        keys_cell = re.sub(r"\([^)]*\)", "", keys_cell)          # values in parentheses are not keys
+        for key in re.findall(r"`([a-z_]+(?:\.[a-z_]+)*)`", keys_cell):
+            path = tuple(key.split("."))
+            if not (_owns(tree, path) or _owns(tree, section + path)):
+                bad.append(f"{group}: {key}")
+        for prefix, inner in re.findall(r"`([a-z_]+)\.\{([^}]*)\}`", keys_cell):
+            for key in (k.strip() for k in inner.split(",")):
+                if not _owns(tree, (prefix, key)):
+                    bad.append(f"{prefix}.{key}")
+    assert not bad, bad

@@ -84,7 +84,7 @@ def _peft_oracle(base, ours, check_init=False, **cfg):
 def test_fp8_dora_matches_peft_forward_backward_fp32(use_rslora, bias):
     base = TwoLayer(bias=bias)
     ours = copy.deepcopy(base)
-    apply_lora(ours, rank=6, alpha=12, targets=TARGETS, use_rslora=use_rslora, weights="fp8", adapter_type="dora")
+    apply_lora(ours, rank=6, alpha=12, targets=TARGETS, use_rslora=use_rslora, weights="fp8", module_cls=FP8DoRALinear)
     with torch.no_grad():                         # non-zero B and m != ||W|| so every term contributes
         for m in lora_modules(ours).values():
             m.lora_B.normal_(0, 0.2)
@@ -112,7 +112,7 @@ def test_fp8_dora_matches_peft_forward_backward_fp32(use_rslora, bias):
 def test_dora_init_equals_base_and_merge_matches_peft():
     base = TwoLayer()
     ours = copy.deepcopy(base)
-    apply_lora(ours, rank=4, alpha=8, targets=TARGETS, adapter_type="dora")
+    apply_lora(ours, rank=4, alpha=8, targets=TARGETS, module_cls=FP8DoRALinear)
     lin = ours.up_proj
     x = torch.randn(9, 48)
     y_base = nn.functional.linear(x, dequantize_weight(lin.qweight, lin.weight_scale), lin.bias)
@@ -148,7 +148,7 @@ def test_norm_cache_reused_until_an_update():
 def test_bf16_arm_dense_dora_matches_peft():
     base = TwoLayer().to(torch.bfloat16)
     ours = copy.deepcopy(base)
-    apply_lora(ours, rank=6, alpha=12, targets=TARGETS, weights="bf16", adapter_type="dora")
+    apply_lora(ours, rank=6, alpha=12, targets=TARGETS, weights="bf16", module_cls=FP8DoRALinear)
     oracle = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(r=6, lora_alpha=12, target_modules=TARGETS,
                                                                      use_dora=True, lora_dropout=0.0))
     with torch.no_grad():
@@ -177,7 +177,7 @@ def test_bf16_arm_dense_dora_matches_peft():
 def test_adapter_file_is_peft_dora_and_roundtrips(tmp_path):
     base = TwoLayer()
     ours = copy.deepcopy(base)
-    apply_lora(ours, rank=4, alpha=8, targets=TARGETS, adapter_type="dora")
+    apply_lora(ours, rank=4, alpha=8, targets=TARGETS, module_cls=FP8DoRALinear)
     with torch.no_grad():
         for m in lora_modules(ours).values():
             m.lora_B.normal_(0, 0.2)
@@ -187,7 +187,7 @@ def test_adapter_file_is_peft_dora_and_roundtrips(tmp_path):
     assert set(adapter_state_dict(ours)) == peft_keys
     assert "base_model.model.up_proj.lora_magnitude_vector" in peft_keys
     again = copy.deepcopy(base)
-    apply_lora(again, rank=4, alpha=8, targets=TARGETS, adapter_type="dora")
+    apply_lora(again, rank=4, alpha=8, targets=TARGETS, module_cls=FP8DoRALinear)
     load_adapter(again, tmp_path / "a")
     for name, m in lora_modules(again).items():
         assert torch.equal(m.lora_magnitude_vector, lora_modules(ours)[name].lora_magnitude_vector)
@@ -215,7 +215,8 @@ def test_trained_adapter_loads_in_peft_with_same_logits(tiny, tmp_path):
     m0 = [m.lora_magnitude_vector.detach().clone() for m in lora_modules(tr.model).values()]
     tr.train_step(_batch())
     assert any(not torch.equal(a, m.lora_magnitude_vector) for a, m in zip(m0, lora_modules(tr.model).values()))
-    path = tr.export_adapter(str(tmp_path))
+    path = tmp_path / "adapter"
+    tr.save_checkpoint(str(tmp_path))                                              # writes tmp_path/adapter
     base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
     with torch.no_grad():                        # the oracle's base: the dequantized FP8 weights
         for name, m in lora_modules(tr.model).items():

@@ -1,0 +1,38 @@
+"""A placement: where the engine and the trainer live and what happens around each phase.
+
+The RL loop calls the hooks in this order every step:
+    before_rollout -> (generate) -> before_train -> (train_step) -> (export + set_adapter) -> after_sync
+and after_setup once, when both actors are up. A strategy names its trainer's base-weight source
+(rlfp8.trainer.weights.SOURCES).
+"""
+from __future__ import annotations
+
+from . import call  # noqa: F401  (the strategies' way to run an actor method)
+from .ray_setup import start_actors, stop_actors
+
+
+class Placement:
+    name = ""
+    weight_source = "quantize"
+
+    def __init__(self, cfg: dict, model_path: str, scratch_dir: str):
+        self.cfg = cfg
+        self.actors = start_actors(cfg, model_path, self.weight_source, scratch_dir)
+        self.engine, self.trainer = self.actors.engine, self.actors.trainer
+        self.after_setup()
+
+    def after_setup(self) -> None:
+        """Both actors are up."""
+
+    def before_rollout(self) -> None:
+        """The engine is about to generate."""
+
+    def before_train(self) -> None:
+        """The trainer is about to run train_step."""
+
+    def after_sync(self) -> None:
+        """The engine holds the new adapter."""
+
+    def shutdown(self) -> None:
+        stop_actors(self.actors)
+

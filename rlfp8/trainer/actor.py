@@ -1,0 +1,13 @@
+"""TrainerActor: the trainer role as a Ray actor. Its typed methods are PolicyTrainer's
+(TrainerInterface); the actor only sets up its process first."""
+from __future__ import annotations
+
+from rlfp8.process import setup_actor_process
+
+from .core import PolicyTrainer
+
+
+class TrainerActor(PolicyTrainer):
+    def __init__(self, model_path: str, cfg: dict, weight_source: str, num_threads: int):
+        setup_actor_process(num_threads, quiet_vllm=False)
+        super().__init__(model_path, cfg, weight_source=weight_source)
