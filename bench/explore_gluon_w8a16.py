@@ -2,7 +2,7 @@
 """Exploration: a Hopper (sm_90a) W8A16 GEMM written in Gluon (triton.experimental.gluon, Triton 3.6),
     y[M, N] (bf16) = (x[M, K] bf16 · widen(q[N, K] e4m3)ᵀ) · s_w[N]      (fp32 accumulation, one rounding)
 to test whether warp specialization closes the gap of our plain-Triton W8A16 kernel (K2,
-rlfp8/kernels/lora_gemm.py) to cuBLAS bf16 at prefill/training sizes (1.28-1.45x cuBLAS at M = 8192). There,
+rlfp8/kernels/gemm.py) to cuBLAS bf16 at prefill/training sizes (1.28-1.45x cuBLAS at M = 8192). There,
 Triton widens the weight tile into wgmma's register-A operand with 1-2 byte LDS and a CTA-wide BAR.SYNC every
 k-step, so widening and MMA do not overlap.
 
@@ -88,10 +88,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
-from rlfp8.kernels import lora_gemm_rs  # noqa: E402
-from rlfp8.kernels.lora_gemm_rs import _tile_offsets  # noqa: E402  (grouped tile order, same as the package)
+from rlfp8.kernels import gemm_rs  # noqa: E402
+from rlfp8.kernels.gemm_rs import _tile_offsets  # noqa: E402  (grouped tile order, same as the package)
 from rlfp8.kernels._triton_utils import compile_like_jit  # noqa: E402
-from rlfp8.kernels.lora_gemm import E4M3X4_TO_BF16_PTX  # noqa: E402
+from rlfp8.kernels.gemm import E4M3X4_TO_BF16_PTX  # noqa: E402
 
 SHAPES = ((8192, 6144, 4096), (8192, 4096, 4096), (8192, 4096, 12288), (8192, 24576, 4096))   # (M, N out, K in)
 
@@ -709,7 +709,7 @@ def run_with_watchdog(fn, seconds: float, on_timeout=None):
 
 def gpu_main(variants, args) -> None:
     from bench.kernels import Timer
-    from rlfp8.kernels.lora_gemm import gemm_config, lora_gemm_triton
+    from rlfp8.kernels.gemm import gemm_config, lora_gemm_triton
 
     def k2(x, q, s_w):
         # the Triton kernel with its tuned config (an explicit config bypasses the dispatch to lora_gemm_rs)

@@ -2,7 +2,7 @@
 """Exploration: where K2's W8A16 time goes at 64 tokens, the one acceptance line of issue 3 that still fails
 (W8A16 base GEMM <= 1.15x our W8A8: qkv 1.24, o 1.21 on the H200).
 
-Two instruments, each on copies of the package kernel (rlfp8/kernels/lora_gemm.py) that differ from it by one
+Two instruments, each on copies of the package kernel (rlfp8/kernels/gemm.py) that differ from it by one
 textual edit (asserted to apply, so a kernel change breaks this script loudly instead of measuring something
 else), run with the tuned W8A16 config of each Qwen3-8B projection at 64 tokens:
 

@@ -28,7 +28,7 @@ import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from bench.kernels import Timer  # noqa: E402
-from rlfp8.kernels.lora_gemm import lora_gemm_triton  # noqa: E402
+from rlfp8.kernels.gemm import lora_gemm_triton  # noqa: E402
 
 NUM_SMS = 132
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A/B check of a K2 change: the working tree's rlfp8/kernels/lora_gemm.py ("new") against another version of
+"""A/B check of a K2 change: the working tree's rlfp8/kernels/gemm.py ("new") against another version of
 the file ("old", e.g. the last commit's), on every Qwen3-8B projection and token count whose tuned config
 uses split-K (the configs both versions take from the same tuned table), both modes:
   * same_bits: new == old output (a change meant to keep the arithmetic must keep the bits);
@@ -7,7 +7,7 @@ uses split-K (the configs both versions take from the same tuned table), both mo
   * new_us / old_us: median of --reps CUDA-graph replays, the two graphs replayed in turn, L2 flushed.
 The split-K protocol variants in bench/results/explore_k2_splitk_variants_h200.json were measured this way.
 
-    git show HEAD:rlfp8/kernels/lora_gemm.py > /tmp/lora_gemm_old.py
+    git show HEAD:rlfp8/kernels/gemm.py > /tmp/lora_gemm_old.py
     python bench/k2_ab.py --old-src /tmp/lora_gemm_old.py --out /tmp/k2_ab.json          # H200, ~20 s
 """
 from __future__ import annotations

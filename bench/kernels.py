@@ -47,11 +47,14 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from rlfp8.kernels import _triton_utils as tu  # noqa: E402
-from rlfp8.kernels import dispatch, lora_gemm as lg  # noqa: E402
+from rlfp8.kernels import dispatch, gemm_configs as lg  # noqa: E402
 from rlfp8.kernels.fp8_triton import quantize_activation_triton, quantize_weight_triton  # noqa: E402
 from rlfp8.kernels.linear_triton import dy_prep_triton, lora_linear_triton  # noqa: E402
-from rlfp8.kernels.lora_gemm import GemmConfig, fp8_lora_linear, lora_gemm_triton  # noqa: E402
-from rlfp8.kernels.metadata import LoRAMeta, build_lora_meta  # noqa: E402
+from rlfp8.kernels.projection import fp8_lora_linear  # noqa: E402
+from rlfp8.kernels.gemm_configs import GemmConfig  # noqa: E402
+from rlfp8.kernels.gemm_triton import lora_gemm_triton  # noqa: E402
+from rlfp8.kernels.metadata import build_lora_meta  # noqa: E402
+from rlfp8.rollout.vllm_lora_meta import lora_meta_from_vllm  # noqa: E402
 
 PROJ = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (12288, 12288)),
         "down": (12288, (4096,))}
@@ -172,7 +175,7 @@ class Layer:
                 if vl.ok:
                     vm = vl.meta(slots, S)
                     self.vmeta[(M, S)] = vm
-                    self.meta[(M, S)] = LoRAMeta.from_vllm(vm, M)           # zero-copy views of vLLM's tensors
+                    self.meta[(M, S)] = lora_meta_from_vllm(vm, M)           # zero-copy views of vLLM's tensors
                 else:
                     self.meta[(M, S)] = build_lora_meta(slots, S)
 

@@ -23,9 +23,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.kernels import Timer  # noqa: E402
-from rlfp8.kernels import lora_gemm  # noqa: E402
+from rlfp8.kernels import gemm  # noqa: E402
 from rlfp8.kernels.fp8 import quantize_weight  # noqa: E402
-from rlfp8.kernels.lora_gemm import gemm_config, lora_gemm_triton  # noqa: E402
+from rlfp8.kernels.gemm import gemm_config, lora_gemm_triton  # noqa: E402
 from rlfp8.kernels.metadata import build_lora_meta  # noqa: E402
 
 

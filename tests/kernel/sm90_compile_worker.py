@@ -26,14 +26,14 @@ import torch  # noqa: E402
 from rlfp8.kernels import _triton_utils as tu  # noqa: E402
 from rlfp8.kernels.fp8_triton import quantize_activation_triton, quantize_weight_triton  # noqa: E402
 from rlfp8.kernels.linear_triton import dy_prep_triton  # noqa: E402
-from rlfp8.kernels.lora_gemm import (M_BUCKETS, GemmConfig, _tuned_table, gemm_config,  # noqa: E402
-                                     lora_gemm_triton)
-from rlfp8.kernels.lora_shrink import lora_shrink_triton  # noqa: E402
+from rlfp8.kernels.gemm_configs import M_BUCKETS, GemmConfig, _tuned_table, gemm_config  # noqa: E402
+from rlfp8.kernels.gemm_triton import lora_gemm_triton  # noqa: E402
+from rlfp8.kernels.shrink_triton import lora_shrink_triton  # noqa: E402
 from rlfp8.kernels.metadata import build_lora_meta  # noqa: E402
 
 SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (4096, [12288, 12288]),
           "down": (12288, [4096])}
-M_REPS = [1, 24, 64, 128, 256, 300, 2048]          # one M per bucket of lora_gemm.M_BUCKETS
+M_REPS = [1, 24, 64, 128, 256, 300, 2048]          # one M per bucket of gemm_config.M_BUCKETS
 assert len(M_REPS) == len(M_BUCKETS)
 SMEM_MAX = 232448                                  # sm_90 max dynamic shared memory per block (227 KiB)
 FP8 = torch.float8_e4m3fn
@@ -138,18 +138,18 @@ def collect() -> list:
             lora_gemm_triton(xx, _e(N, K, dtype=FP8), torch.empty(N), x_scale=torch.empty(M, 1) if mode == "w8a8"
                              else None, h=torch.empty(1, M, r), B=_e(S, N, r),
                              meta=build_lora_meta(torch.arange(M) % S, S), config=GemmConfig(**entry))
-    # the Gluon main loop K2 dispatches to at many tokens (lora_gemm_rs: bf16 x, no metadata): the trainer's
+    # the Gluon main loop K2 dispatches to at many tokens (gemm_rs: bf16 x, no metadata): the trainer's
     # forward (with LoRA, with and without bias, ranks 64 and 16), the dx GEMM, the base GEMM
-    from rlfp8.kernels import lora_gemm_rs
+    from rlfp8.kernels import gemm_rs
     T = 8192
     for K, N in ((4096, 6144), (12288, 4096)):
         q, sw = _e(N, K, dtype=FP8), torch.empty(N)
         for r, bias in ((64, False), (16, True)):
-            rec.append(lora_gemm_rs.launch_args(_e(T, K), q, sw, torch.empty(1, T, r), _e(1, N, r),
+            rec.append(gemm_rs.launch_args(_e(T, K), q, sw, torch.empty(1, T, r), _e(1, N, r),
                                                 _e(N) if bias else None, _e(T, N)))
-        rec.append(lora_gemm_rs.launch_args(_e(T, N), q.t(), None, torch.empty(1, T, 64), _e(64, K).t()[None],
+        rec.append(gemm_rs.launch_args(_e(T, N), q.t(), None, torch.empty(1, T, 64), _e(64, K).t()[None],
                                             None, _e(T, K)))
-        rec.append(lora_gemm_rs.launch_args(_e(T, K), q, sw, out=_e(T, N)))
+        rec.append(gemm_rs.launch_args(_e(T, K), q, sw, out=_e(T, N)))
     seen, out = set(), []
     for kern, grid, args, kw in rec:
         key = (kern.fn.__name__, tuple(sorted((k, str(v)) for k, v in kw.items())))

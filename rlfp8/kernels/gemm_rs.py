@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._triton_utils import launch
-from .lora_gemm import E4M3X2_TO_BF16_PTX
+from .widen import E4M3X2_TO_BF16_PTX
 
 OP = "lora_gemm"
 BM, BN, BK, STAGES, GROUP_M = 256, 128, 64, 4, 8     # tokens, weight rows (2 warpgroups x 64), k-step, ring
