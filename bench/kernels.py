@@ -299,7 +299,7 @@ def candidates(mode: str, bucket: int, N: int, K: int) -> list[GemmConfig]:
                 (64, 128, 128, 4, 2), (64, 128, 64, 4, 4), (64, 128, 64, 4, 6), (128, 64, 128, 4, 3),
                 (64, 128, 256, 4, 2), (64, 256, 64, 4, 3), (64, 256, 64, 4, 4), (128, 128, 64, 8, 3),
                 (128, 128, 64, 4, 3), (64, 128, 64, 4, 3), (128, 256, 64, 8, 2),
-                # the fastest plain TMA kernel of bench/explore_w8a8.py (tokens on M, 5 stages)
+                # the fastest plain TMA kernel of bench/lab/explore_w8a8.py (tokens on M, 5 stages)
                 (128, 128, 128, 8, 5, False), (128, 128, 128, 8, 6, False)]
     else:
         raw += [(128, 128, bk_big, 8, 4), (256, 128, 64, 8, 3), (256, 128, 128, 8, 3) if fp8 else (128, 256, 64, 8, 4),

@@ -17,7 +17,7 @@ Kernel strategy (Hopper):
     them; dispatch records "lora_gemm.mainloop" = gluon_rs | triton. An explicit `config` keeps this kernel.
   * W8A16 swap_ab: each k-step's wgmmas retire before the next widening (SYNC_A): their register A operand is
     read asynchronously, and keeping them in flight let ptxas hand their registers to the next tile (garbage
-    tiles on the H200, bench/stress_determinism.py).
+    tiles on the H200, bench/lab/stress_determinism.py).
   * swap-AB: the program computes the transposed tile accᵀ [BLOCK_N, BLOCK_M] = W_tile · x_tileᵀ, so the
     weight rows fill the 64-row wgmma M side even for a handful of tokens (BLOCK_M = 16 at decode), and in
     W8A16 the widened weight tile is the register-sourced A operand of wgmma (no round trip through shared
@@ -27,8 +27,8 @@ Kernel strategy (Hopper):
     the MMA's M side, the (widened) weight tile as the shared-memory B operand, transposed once before the
     epilogue. The weight tile then reaches registers 16 bytes per thread (the swap_ab register layout reads
     2 bytes per load), so the four-codes-per-register widening (_e4m3x4_to_bf16) needs no packing; below
-    64 tokens Triton runs it on mma.sync. On the H200 it wins W8A16 at decode sizes (<= 16 tokens); with
-    64+ tokens Triton waits for each wgmma before refilling the widened tile, and swap_ab wins.
+    64 tokens Triton runs it on mma.sync. It can win W8A16 at decode sizes; with 64+ tokens Triton waits for
+    each wgmma before refilling the widened tile, and swap_ab wins (bench/README.md).
     The tuner picks per (mode, bucket, K, N class); both orientations give the matched property, since the
     engine and the trainer take the same config for the same T.
   * split-K for small T: SPLIT_K programs share a tile; each writes its fp32 partial to a workspace and
@@ -38,9 +38,8 @@ Kernel strategy (Hopper):
     in the interpreter, which runs programs one after another) the last program to arrive sums the whole
     tile (last_program; its counter reset afterwards), the sum unrolled while the partials fit in ~64
     registers per thread. Same additions per element either way: deterministic, identical bits, the
-    epilogue sees the full sum before the single rounding. At 64 tokens the distributed reduction takes the
-    W8A16 qkv GEMM from 20.6 to 18.5 us on the H200 (bench/results/k2_ab_split_k_distributed_h200.json):
-    the tile's 64 KB of partials are reloaded by four SMs instead of one.
+    epilogue sees the full sum before the single rounding. The distributed reduction exists because the
+    tile's partials are then reloaded by SPLIT_K SMs instead of one (measured: bench/README.md).
   * rows: with metadata, a tile's rows come from vLLM's token_indices_sorted_by_lora_ids (adapter-sorted), so
     a tile touches few adapters; the epilogue loops over the distinct slots of its rows (ascending), each
     iteration one small dot B_slot_tile [BLOCK_N, r] · h_rowsᵀ [r, BLOCK_M] into the fp32 accumulator
@@ -48,12 +47,11 @@ Kernel strategy (Hopper):
     Three variants with the same arithmetic: no metadata (the trainer: one slot, no loop); one adapter
     (per-slot masked loads, fewest registers); more than one adapter (PIPE_SLOTS: h loaded once per slice,
     the next slot's B tile prefetched, so a tile with 16-32 slots waits for one memory round trip instead of
-    two per slot; in the first H200 run the LoRA part of a W8A16 layer grew from 50 us with 1 adapter to
-    350 us with 32 at T = 64, about 1-2 us per slot and tile).
+    two per slot).
   * the wait point for h is explicit: with USE_PDL a `gdc_wait()` sits right before the epilogue reads h
     (before the main loop in W8A8, whose x_q also comes from K1), so a later programmatic-dependent launch
     can overlap K1 with K2's main loop. The interpreter cannot run gdc_*, hence the constexpr guard.
-  * configs per token bucket (gemm_config); a tuned table (rlfp8/kernels/tuned/<gpu>.json, written by
+  * configs per token bucket (gemm_configs); a tuned table (rlfp8/kernels/tuned/<gpu>.json, written by
     bench/kernels.py --tune) overrides the heuristics. Configs are keyed by (mode, token bucket, K, N class)
     where the N class only separates N <= 8192 from wider weights, so the q/k/v row views of a fused qkv
     (and o_proj) get the same split as the fused call: a row's result does not depend on the view.

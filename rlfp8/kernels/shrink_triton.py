@@ -11,10 +11,8 @@ Shapes (T tokens, K input features, S slots, r rank, L slices: 3 for qkv, 2 for 
 Triton kernel, one 1-D launch of two kinds of programs:
   * W8A8 only, first: ⌈T/QBLOCK_M⌉ quantization programs, each quantizing QBLOCK_M consecutive tokens over
     the full K (one row per program for K >= 4096; one pass over x when K <= 4096), in token order: the
-    quantization does not depend on the adapters, so it needs neither the segments nor the split.
-    (The first version quantized in an extra grid column, one program per (segment, row tile), BLOCK_M rows
-    each over all of K: at T = 64 a single program streamed all of x twice, latency-bound, and with 32
-    adapters every program carried mostly padding rows: 0.3-2 ms per layer on the H200.)
+    quantization does not depend on the adapters, so it needs neither the segments nor the split (the
+    per-segment layout it replaced, and why: bench/README.md, "K1's quantization programs").
   * SPLIT_K · ⌈T/BLOCK_M⌉ · L · segments shrink programs (split index fastest). A program takes BLOCK_M rows
     of one adapter segment (rows gathered through token_indices_sorted_by_lora_ids, so one A is read per
     program) and a 1/SPLIT_K share of K. With SPLIT_K > 1 every program writes its fp32 partial to a

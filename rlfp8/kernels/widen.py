@@ -18,9 +18,8 @@ def _e4m3_to_bf16(w):
     """Exact e4m3 -> bf16 widening without the F2F conversion pipe (compiled GPU code only: inline PTX).
 
     Triton's `w.to(tl.bfloat16)` goes e4m3x2 -> f16x2 (one F2FP per pair) and then converts each f16 to bf16
-    with one F2F instruction, which sm_90 runs at 16 results/clk/SM: a 64x128 weight tile needs 8192 of them,
-    ~512 clk per 8 KiB of weights per SM, about the HBM rate (the SASS of the W8A16 main loop at M = 16:
-    64 F2F per thread per iteration against 8 HGMMA). That bound W8A16 at small M (1.2-1.5x our W8A8).
+    with one F2F instruction, whose low sm_90 throughput bounds the W8A16 main loop at small M (the numbers:
+    bench/README.md, "Why the W8A16 widenings").
     Here, per pair of codes (one 16-bit register, pack=2, exactly as the tile comes out of shared memory in
     wgmma's register-operand layout): e4m3x2 -> f16x2 (one F2FP, exact); bf16 bits = sign | (f16 magnitude
     >> 3), which is the same value times 2^-112 as a normal bf16 (every e4m3 value is a normal f16 or zero,
@@ -49,7 +48,7 @@ def _e4m3_to_bf16(w):
 
 
 # The PRMT widenings' PTX (_e4m3x4_to_bf16: four codes per 32-bit register, two bf16x2 outputs;
-# _e4m3x2_to_bf16: two codes): also the text of lora_gemm_rs's and bench/explore_gluon_w8a16.py's Gluon copies.
+# _e4m3x2_to_bf16: two codes): also the text of lora_gemm_rs's and bench/lab/explore_gluon_w8a16.py's Gluon copies.
 E4M3X4_TO_BF16_PTX = tl.constexpr("""
         {
         .reg .b32 lo, hi, k;

@@ -234,10 +234,10 @@ def test_split_counters_grow_and_keep_the_replaced_buffer_alive():
 
 
 def test_explore_k2_decode_edits_still_apply():
-    """bench/explore_k2_decode.py measures copies of this kernel with one textual edit each; every edit must
+    """bench/lab/explore_k2_decode.py measures copies of this kernel with one textual edit each; every edit must
     still apply to the current source (the script refuses to run otherwise) and give valid Python."""
     import ast
-    from bench.explore_k2_decode import ARMS, variant_source
+    from bench.lab.explore_k2_decode import ARMS, variant_source
     for arm in ARMS + ("timed",):
         ast.parse(variant_source(arm))
 
