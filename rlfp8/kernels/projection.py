@@ -15,8 +15,8 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
                     bias=None, out_dtype=None, shrink_out: torch.Tensor | None = None) -> torch.Tensor:
     """One projection of the engine (or, with meta=None and one adapter, of the trainer's forward):
     x [T, K] bf16; q [N, K] e4m3 + w_scale [N]; A, B stacked slots (one tensor or per-slice tuples, vLLM
-    layouts accepted; None = base only); meta from build_lora_meta / LoRAMeta.from_vllm (None = slot 0 for
-    every token). mode "w8a16" (x stays 16-bit) or "w8a8" (x quantized per token with `rounding`).
+    layouts accepted; None = base only); meta from build_lora_meta or the engine's view of vLLM's metadata
+    (None = slot 0 for every token). mode "w8a16" (x stays 16-bit) or "w8a8" (x quantized per token with `rounding`).
     shrink_out: a preallocated h buffer [L, T, r] fp32 (vLLM's); by default an uninitialised one, since K2
     never reads the rows of tokens without adapter (no memset launch)."""
     if mode not in ("w8a16", "w8a8"):

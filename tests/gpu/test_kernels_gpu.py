@@ -583,8 +583,8 @@ def test_gluon_rs_bits_equal_triton_kernel(shape, M, r, bias):
 
 
 def test_gluon_rs_not_used_where_unsupported():
-    """Metadata (gather), fp16 x, an fp32 output, an explicit config or RLFP8_GEMM_RS=0 keep the Triton kernel;
-    the dispatch says which main loop ran."""
+    """Metadata (gather), fp16 x, an fp32 output, an explicit config (or the knob gemm_rs=false) keep the Triton
+    kernel; the dispatch says which main loop ran."""
     K, widths, q, sw = _weights("o", seed=13)
     N, M = sum(widths), 1024
     x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)
