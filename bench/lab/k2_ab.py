@@ -40,6 +40,7 @@ def standalone_source(src: str) -> str:
     if WIDEN_IMPORT in src:
         widen = (ROOT / "rlfp8" / "kernels" / "widen.py").read_text()
         src = src.replace(WIDEN_IMPORT, "") + "\n\n" + widen[widen.index("\n@triton.jit") + 1:]
+    src = src.replace("from .lora_shrink import", "from rlfp8.kernels import")      # pre-split versions
     src = re.sub(r"from \.(\w+) import", r"from rlfp8.kernels.\1 import", src)
     return src.replace("from . import dispatch", "from rlfp8.kernels import dispatch")
 
