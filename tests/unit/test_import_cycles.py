@@ -96,3 +96,16 @@ def test_no_import_cycle_in_rlfp8():
     assert not unknown, f"import cycles in rlfp8/: {unknown}"
     if found:
         pytest.xfail(f"cycles another branch removes (issue 12): {[sorted(c) for c in found]}")
+
+
+def test_kernels_import_no_engine_model_or_ray():
+    """rlfp8/kernels knows no engine: no vLLM, Ray or transformers import, no import of the roles above it."""
+    banned = ("vllm", "ray", "transformers", "rlfp8.rollout", "rlfp8.trainer", "rlfp8.placement", "rlfp8.train",
+              "rlfp8.data", "rlfp8.algos")
+    found = []
+    for f in (PKG / "kernels").rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [f"{f.name}: {n}" for n in names if any(n == b or n.startswith(b + ".") for b in banned)]
+    assert not found, found
