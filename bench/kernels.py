@@ -679,7 +679,7 @@ def markdown(rows, meta) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
+def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tune", action="store_true", help="tune GEMM configs first and write the tuned table")
     ap.add_argument("--reps", type=int, default=50)
@@ -691,37 +691,30 @@ def main(argv=None):
     ap.add_argument("--only-train", action="store_true", help="only the training rows (no layer/gemm rows)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/kernels_h200.json"))
     ap.add_argument("--update-readme", action="store_true", help="replace the results table in bench/README.md")
-    a = ap.parse_args(argv)
-    if a.reps < 50:
-        log(f"note: --reps {a.reps} < 50 (the issue asks for a median of >= 50)")
-    assert torch.cuda.is_available(), "bench/kernels.py needs a CUDA GPU"
-    dispatch.set_backend("triton")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    vl = VLLM()
-    log(f"GPU {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, "
-        f"vLLM {vl.version if vl.ok else 'not importable (' + vl.reason + ')'}")
-    timer = Timer(a.reps)
-    layer = Layer(vl)
-    log("inputs ready")
-    tuned_info = None
-    if a.tune:
-        table = tune(layer, timer, T0 + a.budget_s, a.tune_reps, a.tune_keys)
-        path = lg.tuned_table_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if a.tune_keys is not None and path.exists():          # keep the entries that were not retuned
-            old = json.loads(path.read_text())
-            table = {"gemm": {**old.get("gemm", {}), **table["gemm"]},
-                     "candidates": {**old.get("candidates", {}), **table["candidates"]},
-                     # hand edits (with their measurements) of entries the tuner did not redo
-                     "edits": [e for e in old.get("edits", []) if e["key"] not in table["gemm"]]}
-        tuned_info = {"path": str(path), "keys": len(table["gemm"])}
-        path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
-                                    "date": datetime.date.today().isoformat(), **table}, indent=1))
-        lg.reload_tuned_table()
-        log(f"tuned table written: {path} ({len(table['gemm'])} keys)")
+    return ap.parse_args(argv)
 
-    # compile everything the measurements launch, in parallel
-    ms = () if a.only_train else MS
+
+def _tune_and_write_table(layer, timer, a) -> dict:
+    """Tune, merge with the kept entries of an existing table (--tune-keys), write it, reload it."""
+    table = tune(layer, timer, T0 + a.budget_s, a.tune_reps, a.tune_keys)
+    path = lg.tuned_table_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if a.tune_keys is not None and path.exists():          # keep the entries that were not retuned
+        old = json.loads(path.read_text())
+        table = {"gemm": {**old.get("gemm", {}), **table["gemm"]},
+                 "candidates": {**old.get("candidates", {}), **table["candidates"]},
+                 # hand edits (with their measurements) of entries the tuner did not redo
+                 "edits": [e for e in old.get("edits", []) if e["key"] not in table["gemm"]]}
+    tuned_info = {"path": str(path), "keys": len(table["gemm"])}
+    path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
+                                "date": datetime.date.today().isoformat(), **table}, indent=1))
+    lg.reload_tuned_table()
+    log(f"tuned table written: {path} ({len(table['gemm'])} keys)")
+    return tuned_info
+
+
+def _precompile(layer, a, ms) -> dict:
+    """Compile everything the measurements launch, in parallel."""
     with tu.collect_launches() as rec:
         for M in ms:
             for mode in ("w8a8", "w8a16"):
@@ -738,30 +731,37 @@ def main(argv=None):
                     dx_gemm(xx, q, sw, A, None)()
     info = tu.precompile(rec, jobs=os.cpu_count() or 8)
     log(f"precompiled {info['kernels']} kernels in {info['seconds']} s; errors: {info['errors']}")
+    return info
 
+
+def _measure(rows, timer, op, mode, M, S, ours_fn, base_name, base_fn):
+    if base_fn is not None:
+        try:                                       # ours and the baseline replayed in turn
+            o, b = timer.paired_us([ours_fn, base_fn])
+            rows.append(row(op, mode, M, S, o, base_name, b))
+            return
+        except Exception:                          # find out which side fails, below
+            torch.cuda.synchronize()
+    try:
+        o = timer.graph_us(ours_fn)
+    except Exception as e:
+        log(f"FAILED ours {op} {mode} M={M} S={S}: {type(e).__name__}: {e}")
+        traceback.print_exc()
+        return
+    b = None
+    if base_fn is not None:
+        try:
+            b = timer.graph_us(base_fn)
+        except Exception as e:
+            log(f"FAILED baseline {base_name} {op} M={M} S={S}: {type(e).__name__}: {e}")
+    rows.append(row(op, mode, M, S, o, base_name, b))
+
+
+def _measure_layers_and_gemms(layer, vl, timer, ms) -> list[dict]:
     rows = []
 
-    def measure(op, mode, M, S, ours_fn, base_name, base_fn):
-        if base_fn is not None:
-            try:                                       # ours and the baseline replayed in turn
-                o, b = timer.paired_us([ours_fn, base_fn])
-                rows.append(row(op, mode, M, S, o, base_name, b))
-                return
-            except Exception:                          # find out which side fails, below
-                torch.cuda.synchronize()
-        try:
-            o = timer.graph_us(ours_fn)
-        except Exception as e:
-            log(f"FAILED ours {op} {mode} M={M} S={S}: {type(e).__name__}: {e}")
-            traceback.print_exc()
-            return
-        b = None
-        if base_fn is not None:
-            try:
-                b = timer.graph_us(base_fn)
-            except Exception as e:
-                log(f"FAILED baseline {base_name} {op} M={M} S={S}: {type(e).__name__}: {e}")
-        rows.append(row(op, mode, M, S, o, base_name, b))
+    def measure(*args):
+        _measure(rows, timer, *args)
 
     for M in ms:
         for S in (0, 1, 32):
@@ -781,9 +781,10 @@ def main(argv=None):
             measure(f"gemm:{name}", "w8a16", M, 0, layer.ours_gemm(name, M, "w8a16"), "ours_w8a8",
                     layer.ours_gemm(name, M, "w8a8"))
         log(f"M={M} done")
-    if not a.no_train:
-        rows += train_rows(layer, timer, a.reps)
+    return rows
 
+
+def _write_results(rows, a, vl, timer, tuned_info, info):
     acc = acceptance(rows)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 vllm=vl.version if vl.ok else None,
@@ -809,6 +810,28 @@ def main(argv=None):
             txt = txt[:txt.index(s) + len(s)] + "\n" + markdown(rows, meta) + "\n" + txt[txt.index(e):]
             readme.write_text(txt)
     log(f"wrote {out} ({len(rows)} rows)")
+
+
+def main(argv=None):
+    a = _args(argv)
+    if a.reps < 50:
+        log(f"note: --reps {a.reps} < 50 (the issue asks for a median of >= 50)")
+    assert torch.cuda.is_available(), "bench/kernels.py needs a CUDA GPU"
+    dispatch.set_backend("triton")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    vl = VLLM()
+    log(f"GPU {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, "
+        f"vLLM {vl.version if vl.ok else 'not importable (' + vl.reason + ')'}")
+    timer = Timer(a.reps)
+    layer = Layer(vl)
+    log("inputs ready")
+    tuned_info = _tune_and_write_table(layer, timer, a) if a.tune else None
+    ms = () if a.only_train else MS
+    info = _precompile(layer, a, ms)
+    rows = _measure_layers_and_gemms(layer, vl, timer, ms)
+    if not a.no_train:
+        rows += train_rows(layer, timer, a.reps)
+    _write_results(rows, a, vl, timer, tuned_info, info)
     return 0
 
 
