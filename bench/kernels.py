@@ -348,13 +348,11 @@ def _try_variant(c: GemmConfig, best: tuple, layer: Layer, timer: Timer, names, 
     return (tot, c) if tot < best[0] else best
 
 
-def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | None = None) -> dict:
-    """Groups share a config (see lora_gemm.config_key): (K=4096, narrow) = qkv + o, (4096, wide) = gate_up,
-    (12288, narrow) = down; tuned at one M per bucket of the benchmark; the training dx GEMMs at 8192 tokens."""
+def _tune_jobs(layer: Layer, keys: str | None):
+    """(forward jobs (mode, M, K, projection names sharing the key), dx-GEMM projection names) to tune."""
     groups: dict[tuple, list] = {}
     for name, (K, widths) in PROJ.items():
         groups.setdefault((K, lg.n_class(sum(widths))), []).append(name)
-    table, report = {}, {}
     jobs = []
     for mode in ("w8a8", "w8a16"):
         for b in sorted({lg.m_bucket(m) for m in MS}):
@@ -367,7 +365,11 @@ def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | Non
                     jobs.append((mode, M, K, names))
     dx_names = [n for n in PROJ if keys is None or re.search(
         keys, lg.config_key("w8a16", TRAIN_TOKENS, PROJ[n][0], sum(PROJ[n][1]), transposed=True))]
-    # compile every candidate first, in parallel
+    return jobs, dx_names
+
+
+def _precompile_candidates(layer: Layer, jobs, dx_names) -> None:
+    """Compile every candidate first, in parallel."""
     with tu.collect_launches() as rec:
         for mode, M, K, names in jobs:
             for name in names:
@@ -381,41 +383,91 @@ def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | Non
                 dx_gemm(x, q, sw, A, c)()
     info = tu.precompile(rec, jobs=os.cpu_count() or 8)
     log(f"tune: precompiled {info['kernels']} kernels in {info['seconds']} s ({len(info['errors'])} failed)")
+
+
+def _tune_forward_key(layer: Layer, timer: Timer, mode, M, K, names, reps, report):
+    """(key, (µs, best config) or None) for one forward key: candidates, then variants of the winner."""
+    N0 = layer.w[names[0]][0].shape[0]
+    key = lg.config_key(mode, M, N0, K)
+    best = None
+    for c in candidates(mode, lg.m_bucket(M), N0, K):
+        try:
+            tot = 0.0
+            for name in names:
+                ref = layer.ours_gemm(name, M, mode, None)()
+                out = layer.ours_gemm(name, M, mode, c)()
+                if (out.float() - ref.float()).abs().max() > 1e-2 * ref.float().abs().max():
+                    raise RuntimeError("output differs from the default config's")
+                tot += timer.graph_us(layer.ours_gemm(name, M, mode, c), reps)
+        except Exception as e:
+            report.setdefault(key, []).append({"config": c.key(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            continue
+        report.setdefault(key, []).append({"config": c.key(), "us": round(tot, 2)})
+        if best is None or tot < best[0]:
+            best = (tot, c)
+    if best is not None:
+        # the tile sweep order over the winner: how many token tiles share a weight tile's L2 lines
+        for gm in (2, 4, 16):
+            best = _try_variant(dataclasses.replace(best[1], group_m=gm), best, layer, timer, names, M, mode,
+                                reps, report[key])
+        # x tiles through TMA too (calls without gathered rows: trainer, base GEMM)
+        best = _try_variant(dataclasses.replace(best[1], x_tma=True), best, layer, timer, names, M, mode,
+                            reps, report[key])
+        if mode == "w8a16":
+            # the exact widenings of W8A16 give the same bits; each is timed on the winner's tiles
+            for wd in [w for w in lg.WIDENINGS if w != best[1].widen]:
+                best = _try_variant(dataclasses.replace(best[1], widen=wd), best, layer, timer, names, M, mode,
+                                    reps, report[key])
+    return key, best
+
+
+def _tune_dx_key(layer: Layer, timer: Timer, name, reps, report):
+    """(key, (µs, best config) or None) for one projection's backward dx GEMM."""
+    x, q, sw, A, B = train_inputs(layer, name)
+    N, K = q.shape
+    key = lg.config_key("w8a16", TRAIN_TOKENS, K, N, transposed=True)
+    best = None
+    ref = dx_gemm(x, q, sw, A, None)()
+
+    def time_dx(c, same_bits_as=None):
+        try:
+            out = dx_gemm(x, q, sw, A, c)()
+            if (out.float() - ref.float()).abs().max() > 1e-2 * ref.float().abs().max():
+                raise RuntimeError("output differs from the default config's")
+            if same_bits_as is not None and not torch.equal(out, dx_gemm(x, q, sw, A, same_bits_as)()):
+                raise RuntimeError(f"bits differ from {same_bits_as.key()} (same MMAs expected)")
+            t = timer.graph_us(dx_gemm(x, q, sw, A, c), min(reps, 10))
+        except Exception as e:
+            report.setdefault(key, []).append({"config": c.key(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            return None
+        report.setdefault(key, []).append({"config": c.key(), "us": round(t, 2)})
+        return t
+
+    for c in candidates("w8a16", lg.m_bucket(TRAIN_TOKENS), K, N):
+        t = time_dx(c)
+        if t is not None and (best is None or t < best[0]):
+            best = (t, c)
+    if best is not None:          # tile order, x through TMA and the widenings, each on the current winner
+        for change in [dict(group_m=gm) for gm in (2, 4, 16)] + [dict(x_tma=True)] + [
+                dict(widen=w) for w in lg.WIDENINGS]:
+            v = dataclasses.replace(best[1], **change)
+            t = None if v == best[1] else time_dx(v, same_bits_as=best[1])
+            if t is not None and t < best[0]:
+                best = (t, v)
+    return key, best
+
+
+def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | None = None) -> dict:
+    """Groups share a config (see gemm_configs.config_key): (K=4096, narrow) = qkv + o, (4096, wide) = gate_up,
+    (12288, narrow) = down; tuned at one M per bucket of the benchmark; the training dx GEMMs at 8192 tokens."""
+    jobs, dx_names = _tune_jobs(layer, keys)
+    _precompile_candidates(layer, jobs, dx_names)
+    table, report = {}, {}
     for mode, M, K, names in jobs:
         if time.time() > deadline:
             log("tune: time budget reached, remaining keys keep the heuristic")
             break
-        N0 = layer.w[names[0]][0].shape[0]
-        key = lg.config_key(mode, M, N0, K)
-        best = None
-        for c in candidates(mode, lg.m_bucket(M), N0, K):
-            try:
-                tot = 0.0
-                for name in names:
-                    ref = layer.ours_gemm(name, M, mode, None)()
-                    out = layer.ours_gemm(name, M, mode, c)()
-                    if (out.float() - ref.float()).abs().max() > 1e-2 * ref.float().abs().max():
-                        raise RuntimeError("output differs from the default config's")
-                    tot += timer.graph_us(layer.ours_gemm(name, M, mode, c), reps)
-            except Exception as e:
-                report.setdefault(key, []).append({"config": c.key(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
-                continue
-            report.setdefault(key, []).append({"config": c.key(), "us": round(tot, 2)})
-            if best is None or tot < best[0]:
-                best = (tot, c)
-        if best is not None:
-            # the tile sweep order over the winner: how many token tiles share a weight tile's L2 lines
-            for gm in (2, 4, 16):
-                best = _try_variant(dataclasses.replace(best[1], group_m=gm), best, layer, timer, names, M, mode,
-                                    reps, report[key])
-            # x tiles through TMA too (calls without gathered rows: trainer, base GEMM)
-            best = _try_variant(dataclasses.replace(best[1], x_tma=True), best, layer, timer, names, M, mode,
-                                reps, report[key])
-            if mode == "w8a16":
-                # the exact widenings of W8A16 give the same bits; each is timed on the winner's tiles
-                for wd in [w for w in lg.WIDENINGS if w != best[1].widen]:
-                    best = _try_variant(dataclasses.replace(best[1], widen=wd), best, layer, timer, names, M, mode,
-                                        reps, report[key])
+        key, best = _tune_forward_key(layer, timer, mode, M, K, names, reps, report)
         if best is not None:
             table[key] = dataclasses.asdict(best[1])
             log(f"tune {key}: {best[1]} {best[0]:.1f} us (heuristic "
@@ -425,37 +477,7 @@ def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | Non
     for name in dx_names:                                    # backward dx GEMM of the training linear
         if time.time() > deadline:
             break
-        x, q, sw, A, B = train_inputs(layer, name)
-        N, K = q.shape
-        key = lg.config_key("w8a16", TRAIN_TOKENS, K, N, transposed=True)
-        best = None
-        ref = dx_gemm(x, q, sw, A, None)()
-
-        def time_dx(c, same_bits_as=None):
-            try:
-                out = dx_gemm(x, q, sw, A, c)()
-                if (out.float() - ref.float()).abs().max() > 1e-2 * ref.float().abs().max():
-                    raise RuntimeError("output differs from the default config's")
-                if same_bits_as is not None and not torch.equal(out, dx_gemm(x, q, sw, A, same_bits_as)()):
-                    raise RuntimeError(f"bits differ from {same_bits_as.key()} (same MMAs expected)")
-                t = timer.graph_us(dx_gemm(x, q, sw, A, c), min(reps, 10))
-            except Exception as e:
-                report.setdefault(key, []).append({"config": c.key(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
-                return None
-            report.setdefault(key, []).append({"config": c.key(), "us": round(t, 2)})
-            return t
-
-        for c in candidates("w8a16", lg.m_bucket(TRAIN_TOKENS), K, N):
-            t = time_dx(c)
-            if t is not None and (best is None or t < best[0]):
-                best = (t, c)
-        if best is not None:          # tile order, x through TMA and the widenings, each on the current winner
-            for change in [dict(group_m=gm) for gm in (2, 4, 16)] + [dict(x_tma=True)] + [
-                    dict(widen=w) for w in lg.WIDENINGS]:
-                v = dataclasses.replace(best[1], **change)
-                t = None if v == best[1] else time_dx(v, same_bits_as=best[1])
-                if t is not None and t < best[0]:
-                    best = (t, v)
+        key, best = _tune_dx_key(layer, timer, name, reps, report)
         if best is not None:
             table[key] = dataclasses.asdict(best[1])
             log(f"tune {key}: {best[1]} {best[0]:.1f} us")
