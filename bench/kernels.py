@@ -512,6 +512,83 @@ def dx_gemm(x, q, sw, A, config):
                                     config=config)
 
 
+def _train_arms(x0, q, sw, A0, B0, s, dy, w16) -> dict:
+    """{arm: (step, clear_grads, extra bytes of one step)} for ours and PEFT's bf16 LoRA, each warmed up."""
+    arms = {}
+    for arm in ("ours", "peft"):
+        x = x0.clone().requires_grad_()
+        if arm == "ours":
+            A, B = A0.clone().requires_grad_(), B0.clone().requires_grad_()
+
+            def step(x=x, A=A, B=B):
+                lora_linear_triton(x, q, sw, A, B, s).backward(dy)
+        else:
+            A, B = A0.to(torch.bfloat16).requires_grad_(), B0.to(torch.bfloat16).requires_grad_()
+
+            def step(x=x, A=A, B=B):
+                y = F.linear(x, w16) + F.linear(F.linear(x, A), B) * s
+                y.backward(dy)
+
+        def clear_grads(ts=(x, A, B)):
+            for t in ts:
+                t.grad = None
+        step()                                                          # warm-up (compile, probe)
+        clear_grads()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        arms[arm] = (step, clear_grads, torch.cuda.max_memory_allocated() - base)
+        clear_grads()
+    return arms
+
+
+def _time_train_arms(timer: Timer, arms: dict, reps: int) -> dict:
+    """{arm: (µs, extra bytes, in a CUDA graph)}: both graphs replayed in turn, or eager in turn."""
+    res = {}
+    try:                                                # both graphs, replayed in turn (same GPU state)
+        us = timer.paired_us([arms[a][0] for a in arms], reps, [arms[a][1] for a in arms])
+        res = {a: (u, arms[a][2], True) for a, u in zip(arms, us)}
+    except Exception:                                   # autograd not capturable here: eager, in turn
+        torch.cuda.synchronize()
+        ev = {a: [] for a in arms}
+        for _ in range(reps):
+            for a in arms:
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                timer.flush.zero_()
+                e0.record()
+                arms[a][0]()
+                e1.record()
+                ev[a].append((e0, e1))
+                arms[a][1]()
+        torch.cuda.synchronize()
+        res = {a: (statistics.median(e0.elapsed_time(e1) * 1e3 for e0, e1 in ev[a]), arms[a][2], False)
+               for a in arms}
+    return res
+
+
+def _train_gemm_part_rows(timer: Timer, name, x0, q, sw, A0, B0, s, dy, w16, reps) -> list[dict]:
+    """Where the time goes: the two big GEMMs and dy_prep alone against cuBLAS on the bf16 weight."""
+    rows = []
+    Bc = (B0 * s).to(torch.bfloat16)
+    h = torch.randn(1, TRAIN_TOKENS, RANK, device=DEV)
+    parts = {
+        "fwd": (lambda: lora_gemm_triton(x0, q, sw, h=h, B=Bc[None]), lambda: F.linear(x0, w16)),
+        "fwd_base": (lambda: lora_gemm_triton(x0, q, sw), lambda: F.linear(x0, w16)),   # what the epilogue costs
+        "dx": (dx_gemm(x0, q, sw, A0, None), lambda: F.linear(dy, w16.t())),
+        # the backward's one pass over dy (gy = dy ⊙ s_w and dh = dy·B_c) vs cuBLAS's dh alone
+        "dy_prep": (lambda: dy_prep_triton(dy, sw, Bc), lambda: torch.mm(dy, Bc, out_dtype=torch.float32)),
+    }
+    for part, (ours_fn, base_fn) in parts.items():
+        o, b = timer.paired_us([ours_fn, base_fn], reps)
+        rows.append(dict(op=f"train_{'gemm_' if part != 'dy_prep' else ''}{part}:{name}", mode="w8a16",
+                         M=TRAIN_TOKENS, adapters=1, rank=RANK, ours_us=round(o, 2),
+                         baseline="cublas_bf16" if part != "dy_prep" else "cublas_dh_only", baseline_us=round(b, 2),
+                         ratio=round(o / b, 3)))
+    return rows
+
+
 def train_rows(layer: Layer, timer: Timer, reps: int) -> list[dict]:
     rows = []
     for name in PROJ:
@@ -520,68 +597,8 @@ def train_rows(layer: Layer, timer: Timer, reps: int) -> list[dict]:
         s = 2.0
         dy = torch.randn(TRAIN_TOKENS, N, device=DEV, dtype=torch.bfloat16)
         w16 = (q.float() * sw[:, None]).to(torch.bfloat16)               # the PEFT arm's bf16 weight
-        arms = {}
-        for arm in ("ours", "peft"):
-            x = x0.clone().requires_grad_()
-            if arm == "ours":
-                A, B = A0.clone().requires_grad_(), B0.clone().requires_grad_()
-
-                def step(x=x, A=A, B=B):
-                    lora_linear_triton(x, q, sw, A, B, s).backward(dy)
-            else:
-                A, B = A0.to(torch.bfloat16).requires_grad_(), B0.to(torch.bfloat16).requires_grad_()
-
-                def step(x=x, A=A, B=B):
-                    y = F.linear(x, w16) + F.linear(F.linear(x, A), B) * s
-                    y.backward(dy)
-
-            def clear_grads(ts=(x, A, B)):
-                for t in ts:
-                    t.grad = None
-            step()                                                          # warm-up (compile, probe)
-            clear_grads()
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            torch.cuda.synchronize()
-            arms[arm] = (step, clear_grads, torch.cuda.max_memory_allocated() - base)
-            clear_grads()
-        res = {}
-        try:                                                # both graphs, replayed in turn (same GPU state)
-            us = timer.paired_us([arms[a][0] for a in arms], reps, [arms[a][1] for a in arms])
-            res = {a: (u, arms[a][2], True) for a, u in zip(arms, us)}
-        except Exception:                                   # autograd not capturable here: eager, in turn
-            torch.cuda.synchronize()
-            ev = {a: [] for a in arms}
-            for _ in range(reps):
-                for a in arms:
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    timer.flush.zero_()
-                    e0.record()
-                    arms[a][0]()
-                    e1.record()
-                    ev[a].append((e0, e1))
-                    arms[a][1]()
-            torch.cuda.synchronize()
-            res = {a: (statistics.median(e0.elapsed_time(e1) * 1e3 for e0, e1 in ev[a]), arms[a][2], False)
-                   for a in arms}
-        # where the time goes: the two big GEMMs alone against cuBLAS on the bf16 weight
-        Bc = (B0 * s).to(torch.bfloat16)
-        h = torch.randn(1, TRAIN_TOKENS, RANK, device=DEV)
-        parts = {
-            "fwd": (lambda: lora_gemm_triton(x0, q, sw, h=h, B=Bc[None]), lambda: F.linear(x0, w16)),
-            "fwd_base": (lambda: lora_gemm_triton(x0, q, sw), lambda: F.linear(x0, w16)),   # what the epilogue costs
-            "dx": (dx_gemm(x0, q, sw, A0, None), lambda: F.linear(dy, w16.t())),
-            # the backward's one pass over dy (gy = dy ⊙ s_w and dh = dy·B_c) vs cuBLAS's dh alone
-            "dy_prep": (lambda: dy_prep_triton(dy, sw, Bc), lambda: torch.mm(dy, Bc, out_dtype=torch.float32)),
-        }
-        for part, (ours_fn, base_fn) in parts.items():
-            o, b = timer.paired_us([ours_fn, base_fn], reps)
-            rows.append(dict(op=f"train_{'gemm_' if part != 'dy_prep' else ''}{part}:{name}", mode="w8a16",
-                             M=TRAIN_TOKENS, adapters=1, rank=RANK, ours_us=round(o, 2),
-                             baseline="cublas_bf16" if part != "dy_prep" else "cublas_dh_only", baseline_us=round(b, 2),
-                             ratio=round(o / b, 3)))
+        res = _time_train_arms(timer, _train_arms(x0, q, sw, A0, B0, s, dy, w16), reps)
+        rows += _train_gemm_part_rows(timer, name, x0, q, sw, A0, B0, s, dy, w16, reps)
         w16 = None                                                      # free the bf16 weight (the lambdas are done)
         mem = train_memory(layer, name, res["ours"][1])
         mib = 2 ** 20
