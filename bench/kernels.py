@@ -47,11 +47,14 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
 from rlfp8.kernels import _triton_utils as tu  # noqa: E402
-from rlfp8.kernels import dispatch, lora_gemm as lg  # noqa: E402
+from rlfp8.kernels import dispatch, gemm_configs as lg  # noqa: E402
 from rlfp8.kernels.fp8_triton import quantize_activation_triton, quantize_weight_triton  # noqa: E402
 from rlfp8.kernels.linear_triton import dy_prep_triton, lora_linear_triton  # noqa: E402
-from rlfp8.kernels.lora_gemm import GemmConfig, fp8_lora_linear, lora_gemm_triton  # noqa: E402
-from rlfp8.kernels.metadata import LoRAMeta, build_lora_meta  # noqa: E402
+from rlfp8.kernels.projection import fp8_lora_linear  # noqa: E402
+from rlfp8.kernels.gemm_configs import GemmConfig  # noqa: E402
+from rlfp8.kernels.gemm_triton import lora_gemm_triton  # noqa: E402
+from rlfp8.kernels.metadata import build_lora_meta  # noqa: E402
+from rlfp8.rollout.vllm_lora_meta import lora_meta_from_vllm  # noqa: E402
 
 PROJ = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (12288, 12288)),
         "down": (12288, (4096,))}
@@ -172,7 +175,7 @@ class Layer:
                 if vl.ok:
                     vm = vl.meta(slots, S)
                     self.vmeta[(M, S)] = vm
-                    self.meta[(M, S)] = LoRAMeta.from_vllm(vm, M)           # zero-copy views of vLLM's tensors
+                    self.meta[(M, S)] = lora_meta_from_vllm(vm, M)           # zero-copy views of vLLM's tensors
                 else:
                     self.meta[(M, S)] = build_lora_meta(slots, S)
 
@@ -296,7 +299,7 @@ def candidates(mode: str, bucket: int, N: int, K: int) -> list[GemmConfig]:
                 (64, 128, 128, 4, 2), (64, 128, 64, 4, 4), (64, 128, 64, 4, 6), (128, 64, 128, 4, 3),
                 (64, 128, 256, 4, 2), (64, 256, 64, 4, 3), (64, 256, 64, 4, 4), (128, 128, 64, 8, 3),
                 (128, 128, 64, 4, 3), (64, 128, 64, 4, 3), (128, 256, 64, 8, 2),
-                # the fastest plain TMA kernel of bench/explore_w8a8.py (tokens on M, 5 stages)
+                # the fastest plain TMA kernel of bench/lab/explore_w8a8.py (tokens on M, 5 stages)
                 (128, 128, 128, 8, 5, False), (128, 128, 128, 8, 6, False)]
     else:
         raw += [(128, 128, bk_big, 8, 4), (256, 128, 64, 8, 3), (256, 128, 128, 8, 3) if fp8 else (128, 256, 64, 8, 4),
@@ -345,13 +348,11 @@ def _try_variant(c: GemmConfig, best: tuple, layer: Layer, timer: Timer, names, 
     return (tot, c) if tot < best[0] else best
 
 
-def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | None = None) -> dict:
-    """Groups share a config (see lora_gemm.config_key): (K=4096, narrow) = qkv + o, (4096, wide) = gate_up,
-    (12288, narrow) = down; tuned at one M per bucket of the benchmark; the training dx GEMMs at 8192 tokens."""
+def _tune_jobs(layer: Layer, keys: str | None):
+    """(forward jobs (mode, M, K, projection names sharing the key), dx-GEMM projection names) to tune."""
     groups: dict[tuple, list] = {}
     for name, (K, widths) in PROJ.items():
         groups.setdefault((K, lg.n_class(sum(widths))), []).append(name)
-    table, report = {}, {}
     jobs = []
     for mode in ("w8a8", "w8a16"):
         for b in sorted({lg.m_bucket(m) for m in MS}):
@@ -364,7 +365,11 @@ def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | Non
                     jobs.append((mode, M, K, names))
     dx_names = [n for n in PROJ if keys is None or re.search(
         keys, lg.config_key("w8a16", TRAIN_TOKENS, PROJ[n][0], sum(PROJ[n][1]), transposed=True))]
-    # compile every candidate first, in parallel
+    return jobs, dx_names
+
+
+def _precompile_candidates(layer: Layer, jobs, dx_names) -> None:
+    """Compile every candidate first, in parallel."""
     with tu.collect_launches() as rec:
         for mode, M, K, names in jobs:
             for name in names:
@@ -378,41 +383,91 @@ def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | Non
                 dx_gemm(x, q, sw, A, c)()
     info = tu.precompile(rec, jobs=os.cpu_count() or 8)
     log(f"tune: precompiled {info['kernels']} kernels in {info['seconds']} s ({len(info['errors'])} failed)")
+
+
+def _tune_forward_key(layer: Layer, timer: Timer, mode, M, K, names, reps, report):
+    """(key, (µs, best config) or None) for one forward key: candidates, then variants of the winner."""
+    N0 = layer.w[names[0]][0].shape[0]
+    key = lg.config_key(mode, M, N0, K)
+    best = None
+    for c in candidates(mode, lg.m_bucket(M), N0, K):
+        try:
+            tot = 0.0
+            for name in names:
+                ref = layer.ours_gemm(name, M, mode, None)()
+                out = layer.ours_gemm(name, M, mode, c)()
+                if (out.float() - ref.float()).abs().max() > 1e-2 * ref.float().abs().max():
+                    raise RuntimeError("output differs from the default config's")
+                tot += timer.graph_us(layer.ours_gemm(name, M, mode, c), reps)
+        except Exception as e:
+            report.setdefault(key, []).append({"config": c.key(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            continue
+        report.setdefault(key, []).append({"config": c.key(), "us": round(tot, 2)})
+        if best is None or tot < best[0]:
+            best = (tot, c)
+    if best is not None:
+        # the tile sweep order over the winner: how many token tiles share a weight tile's L2 lines
+        for gm in (2, 4, 16):
+            best = _try_variant(dataclasses.replace(best[1], group_m=gm), best, layer, timer, names, M, mode,
+                                reps, report[key])
+        # x tiles through TMA too (calls without gathered rows: trainer, base GEMM)
+        best = _try_variant(dataclasses.replace(best[1], x_tma=True), best, layer, timer, names, M, mode,
+                            reps, report[key])
+        if mode == "w8a16":
+            # the exact widenings of W8A16 give the same bits; each is timed on the winner's tiles
+            for wd in [w for w in lg.WIDENINGS if w != best[1].widen]:
+                best = _try_variant(dataclasses.replace(best[1], widen=wd), best, layer, timer, names, M, mode,
+                                    reps, report[key])
+    return key, best
+
+
+def _tune_dx_key(layer: Layer, timer: Timer, name, reps, report):
+    """(key, (µs, best config) or None) for one projection's backward dx GEMM."""
+    x, q, sw, A, B = train_inputs(layer, name)
+    N, K = q.shape
+    key = lg.config_key("w8a16", TRAIN_TOKENS, K, N, transposed=True)
+    best = None
+    ref = dx_gemm(x, q, sw, A, None)()
+
+    def time_dx(c, same_bits_as=None):
+        try:
+            out = dx_gemm(x, q, sw, A, c)()
+            if (out.float() - ref.float()).abs().max() > 1e-2 * ref.float().abs().max():
+                raise RuntimeError("output differs from the default config's")
+            if same_bits_as is not None and not torch.equal(out, dx_gemm(x, q, sw, A, same_bits_as)()):
+                raise RuntimeError(f"bits differ from {same_bits_as.key()} (same MMAs expected)")
+            t = timer.graph_us(dx_gemm(x, q, sw, A, c), min(reps, 10))
+        except Exception as e:
+            report.setdefault(key, []).append({"config": c.key(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            return None
+        report.setdefault(key, []).append({"config": c.key(), "us": round(t, 2)})
+        return t
+
+    for c in candidates("w8a16", lg.m_bucket(TRAIN_TOKENS), K, N):
+        t = time_dx(c)
+        if t is not None and (best is None or t < best[0]):
+            best = (t, c)
+    if best is not None:          # tile order, x through TMA and the widenings, each on the current winner
+        for change in [dict(group_m=gm) for gm in (2, 4, 16)] + [dict(x_tma=True)] + [
+                dict(widen=w) for w in lg.WIDENINGS]:
+            v = dataclasses.replace(best[1], **change)
+            t = None if v == best[1] else time_dx(v, same_bits_as=best[1])
+            if t is not None and t < best[0]:
+                best = (t, v)
+    return key, best
+
+
+def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | None = None) -> dict:
+    """Groups share a config (see gemm_configs.config_key): (K=4096, narrow) = qkv + o, (4096, wide) = gate_up,
+    (12288, narrow) = down; tuned at one M per bucket of the benchmark; the training dx GEMMs at 8192 tokens."""
+    jobs, dx_names = _tune_jobs(layer, keys)
+    _precompile_candidates(layer, jobs, dx_names)
+    table, report = {}, {}
     for mode, M, K, names in jobs:
         if time.time() > deadline:
             log("tune: time budget reached, remaining keys keep the heuristic")
             break
-        N0 = layer.w[names[0]][0].shape[0]
-        key = lg.config_key(mode, M, N0, K)
-        best = None
-        for c in candidates(mode, lg.m_bucket(M), N0, K):
-            try:
-                tot = 0.0
-                for name in names:
-                    ref = layer.ours_gemm(name, M, mode, None)()
-                    out = layer.ours_gemm(name, M, mode, c)()
-                    if (out.float() - ref.float()).abs().max() > 1e-2 * ref.float().abs().max():
-                        raise RuntimeError("output differs from the default config's")
-                    tot += timer.graph_us(layer.ours_gemm(name, M, mode, c), reps)
-            except Exception as e:
-                report.setdefault(key, []).append({"config": c.key(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
-                continue
-            report.setdefault(key, []).append({"config": c.key(), "us": round(tot, 2)})
-            if best is None or tot < best[0]:
-                best = (tot, c)
-        if best is not None:
-            # the tile sweep order over the winner: how many token tiles share a weight tile's L2 lines
-            for gm in (2, 4, 16):
-                best = _try_variant(dataclasses.replace(best[1], group_m=gm), best, layer, timer, names, M, mode,
-                                    reps, report[key])
-            # x tiles through TMA too (calls without gathered rows: trainer, base GEMM)
-            best = _try_variant(dataclasses.replace(best[1], x_tma=True), best, layer, timer, names, M, mode,
-                                reps, report[key])
-            if mode == "w8a16":
-                # the exact widenings of W8A16 give the same bits; each is timed on the winner's tiles
-                for wd in [w for w in lg.WIDENINGS if w != best[1].widen]:
-                    best = _try_variant(dataclasses.replace(best[1], widen=wd), best, layer, timer, names, M, mode,
-                                        reps, report[key])
+        key, best = _tune_forward_key(layer, timer, mode, M, K, names, reps, report)
         if best is not None:
             table[key] = dataclasses.asdict(best[1])
             log(f"tune {key}: {best[1]} {best[0]:.1f} us (heuristic "
@@ -422,37 +477,7 @@ def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | Non
     for name in dx_names:                                    # backward dx GEMM of the training linear
         if time.time() > deadline:
             break
-        x, q, sw, A, B = train_inputs(layer, name)
-        N, K = q.shape
-        key = lg.config_key("w8a16", TRAIN_TOKENS, K, N, transposed=True)
-        best = None
-        ref = dx_gemm(x, q, sw, A, None)()
-
-        def time_dx(c, same_bits_as=None):
-            try:
-                out = dx_gemm(x, q, sw, A, c)()
-                if (out.float() - ref.float()).abs().max() > 1e-2 * ref.float().abs().max():
-                    raise RuntimeError("output differs from the default config's")
-                if same_bits_as is not None and not torch.equal(out, dx_gemm(x, q, sw, A, same_bits_as)()):
-                    raise RuntimeError(f"bits differ from {same_bits_as.key()} (same MMAs expected)")
-                t = timer.graph_us(dx_gemm(x, q, sw, A, c), min(reps, 10))
-            except Exception as e:
-                report.setdefault(key, []).append({"config": c.key(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
-                return None
-            report.setdefault(key, []).append({"config": c.key(), "us": round(t, 2)})
-            return t
-
-        for c in candidates("w8a16", lg.m_bucket(TRAIN_TOKENS), K, N):
-            t = time_dx(c)
-            if t is not None and (best is None or t < best[0]):
-                best = (t, c)
-        if best is not None:          # tile order, x through TMA and the widenings, each on the current winner
-            for change in [dict(group_m=gm) for gm in (2, 4, 16)] + [dict(x_tma=True)] + [
-                    dict(widen=w) for w in lg.WIDENINGS]:
-                v = dataclasses.replace(best[1], **change)
-                t = None if v == best[1] else time_dx(v, same_bits_as=best[1])
-                if t is not None and t < best[0]:
-                    best = (t, v)
+        key, best = _tune_dx_key(layer, timer, name, reps, report)
         if best is not None:
             table[key] = dataclasses.asdict(best[1])
             log(f"tune {key}: {best[1]} {best[0]:.1f} us")
@@ -487,6 +512,83 @@ def dx_gemm(x, q, sw, A, config):
                                     config=config)
 
 
+def _train_arms(x0, q, sw, A0, B0, s, dy, w16) -> dict:
+    """{arm: (step, clear_grads, extra bytes of one step)} for ours and PEFT's bf16 LoRA, each warmed up."""
+    arms = {}
+    for arm in ("ours", "peft"):
+        x = x0.clone().requires_grad_()
+        if arm == "ours":
+            A, B = A0.clone().requires_grad_(), B0.clone().requires_grad_()
+
+            def step(x=x, A=A, B=B):
+                lora_linear_triton(x, q, sw, A, B, s).backward(dy)
+        else:
+            A, B = A0.to(torch.bfloat16).requires_grad_(), B0.to(torch.bfloat16).requires_grad_()
+
+            def step(x=x, A=A, B=B):
+                y = F.linear(x, w16) + F.linear(F.linear(x, A), B) * s
+                y.backward(dy)
+
+        def clear_grads(ts=(x, A, B)):
+            for t in ts:
+                t.grad = None
+        step()                                                          # warm-up (compile, probe)
+        clear_grads()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        arms[arm] = (step, clear_grads, torch.cuda.max_memory_allocated() - base)
+        clear_grads()
+    return arms
+
+
+def _time_train_arms(timer: Timer, arms: dict, reps: int) -> dict:
+    """{arm: (µs, extra bytes, in a CUDA graph)}: both graphs replayed in turn, or eager in turn."""
+    res = {}
+    try:                                                # both graphs, replayed in turn (same GPU state)
+        us = timer.paired_us([arms[a][0] for a in arms], reps, [arms[a][1] for a in arms])
+        res = {a: (u, arms[a][2], True) for a, u in zip(arms, us)}
+    except Exception:                                   # autograd not capturable here: eager, in turn
+        torch.cuda.synchronize()
+        ev = {a: [] for a in arms}
+        for _ in range(reps):
+            for a in arms:
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                timer.flush.zero_()
+                e0.record()
+                arms[a][0]()
+                e1.record()
+                ev[a].append((e0, e1))
+                arms[a][1]()
+        torch.cuda.synchronize()
+        res = {a: (statistics.median(e0.elapsed_time(e1) * 1e3 for e0, e1 in ev[a]), arms[a][2], False)
+               for a in arms}
+    return res
+
+
+def _train_gemm_part_rows(timer: Timer, name, x0, q, sw, A0, B0, s, dy, w16, reps) -> list[dict]:
+    """Where the time goes: the two big GEMMs and dy_prep alone against cuBLAS on the bf16 weight."""
+    rows = []
+    Bc = (B0 * s).to(torch.bfloat16)
+    h = torch.randn(1, TRAIN_TOKENS, RANK, device=DEV)
+    parts = {
+        "fwd": (lambda: lora_gemm_triton(x0, q, sw, h=h, B=Bc[None]), lambda: F.linear(x0, w16)),
+        "fwd_base": (lambda: lora_gemm_triton(x0, q, sw), lambda: F.linear(x0, w16)),   # what the epilogue costs
+        "dx": (dx_gemm(x0, q, sw, A0, None), lambda: F.linear(dy, w16.t())),
+        # the backward's one pass over dy (gy = dy ⊙ s_w and dh = dy·B_c) vs cuBLAS's dh alone
+        "dy_prep": (lambda: dy_prep_triton(dy, sw, Bc), lambda: torch.mm(dy, Bc, out_dtype=torch.float32)),
+    }
+    for part, (ours_fn, base_fn) in parts.items():
+        o, b = timer.paired_us([ours_fn, base_fn], reps)
+        rows.append(dict(op=f"train_{'gemm_' if part != 'dy_prep' else ''}{part}:{name}", mode="w8a16",
+                         M=TRAIN_TOKENS, adapters=1, rank=RANK, ours_us=round(o, 2),
+                         baseline="cublas_bf16" if part != "dy_prep" else "cublas_dh_only", baseline_us=round(b, 2),
+                         ratio=round(o / b, 3)))
+    return rows
+
+
 def train_rows(layer: Layer, timer: Timer, reps: int) -> list[dict]:
     rows = []
     for name in PROJ:
@@ -495,68 +597,8 @@ def train_rows(layer: Layer, timer: Timer, reps: int) -> list[dict]:
         s = 2.0
         dy = torch.randn(TRAIN_TOKENS, N, device=DEV, dtype=torch.bfloat16)
         w16 = (q.float() * sw[:, None]).to(torch.bfloat16)               # the PEFT arm's bf16 weight
-        arms = {}
-        for arm in ("ours", "peft"):
-            x = x0.clone().requires_grad_()
-            if arm == "ours":
-                A, B = A0.clone().requires_grad_(), B0.clone().requires_grad_()
-
-                def step(x=x, A=A, B=B):
-                    lora_linear_triton(x, q, sw, A, B, s).backward(dy)
-            else:
-                A, B = A0.to(torch.bfloat16).requires_grad_(), B0.to(torch.bfloat16).requires_grad_()
-
-                def step(x=x, A=A, B=B):
-                    y = F.linear(x, w16) + F.linear(F.linear(x, A), B) * s
-                    y.backward(dy)
-
-            def clear_grads(ts=(x, A, B)):
-                for t in ts:
-                    t.grad = None
-            step()                                                          # warm-up (compile, probe)
-            clear_grads()
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            torch.cuda.synchronize()
-            arms[arm] = (step, clear_grads, torch.cuda.max_memory_allocated() - base)
-            clear_grads()
-        res = {}
-        try:                                                # both graphs, replayed in turn (same GPU state)
-            us = timer.paired_us([arms[a][0] for a in arms], reps, [arms[a][1] for a in arms])
-            res = {a: (u, arms[a][2], True) for a, u in zip(arms, us)}
-        except Exception:                                   # autograd not capturable here: eager, in turn
-            torch.cuda.synchronize()
-            ev = {a: [] for a in arms}
-            for _ in range(reps):
-                for a in arms:
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    timer.flush.zero_()
-                    e0.record()
-                    arms[a][0]()
-                    e1.record()
-                    ev[a].append((e0, e1))
-                    arms[a][1]()
-            torch.cuda.synchronize()
-            res = {a: (statistics.median(e0.elapsed_time(e1) * 1e3 for e0, e1 in ev[a]), arms[a][2], False)
-                   for a in arms}
-        # where the time goes: the two big GEMMs alone against cuBLAS on the bf16 weight
-        Bc = (B0 * s).to(torch.bfloat16)
-        h = torch.randn(1, TRAIN_TOKENS, RANK, device=DEV)
-        parts = {
-            "fwd": (lambda: lora_gemm_triton(x0, q, sw, h=h, B=Bc[None]), lambda: F.linear(x0, w16)),
-            "fwd_base": (lambda: lora_gemm_triton(x0, q, sw), lambda: F.linear(x0, w16)),   # what the epilogue costs
-            "dx": (dx_gemm(x0, q, sw, A0, None), lambda: F.linear(dy, w16.t())),
-            # the backward's one pass over dy (gy = dy ⊙ s_w and dh = dy·B_c) vs cuBLAS's dh alone
-            "dy_prep": (lambda: dy_prep_triton(dy, sw, Bc), lambda: torch.mm(dy, Bc, out_dtype=torch.float32)),
-        }
-        for part, (ours_fn, base_fn) in parts.items():
-            o, b = timer.paired_us([ours_fn, base_fn], reps)
-            rows.append(dict(op=f"train_{'gemm_' if part != 'dy_prep' else ''}{part}:{name}", mode="w8a16",
-                             M=TRAIN_TOKENS, adapters=1, rank=RANK, ours_us=round(o, 2),
-                             baseline="cublas_bf16" if part != "dy_prep" else "cublas_dh_only", baseline_us=round(b, 2),
-                             ratio=round(o / b, 3)))
+        res = _time_train_arms(timer, _train_arms(x0, q, sw, A0, B0, s, dy, w16), reps)
+        rows += _train_gemm_part_rows(timer, name, x0, q, sw, A0, B0, s, dy, w16, reps)
         w16 = None                                                      # free the bf16 weight (the lambdas are done)
         mem = train_memory(layer, name, res["ours"][1])
         mib = 2 ** 20
@@ -676,7 +718,7 @@ def markdown(rows, meta) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
+def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tune", action="store_true", help="tune GEMM configs first and write the tuned table")
     ap.add_argument("--reps", type=int, default=50)
@@ -688,37 +730,30 @@ def main(argv=None):
     ap.add_argument("--only-train", action="store_true", help="only the training rows (no layer/gemm rows)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/kernels_h200.json"))
     ap.add_argument("--update-readme", action="store_true", help="replace the results table in bench/README.md")
-    a = ap.parse_args(argv)
-    if a.reps < 50:
-        log(f"note: --reps {a.reps} < 50 (the issue asks for a median of >= 50)")
-    assert torch.cuda.is_available(), "bench/kernels.py needs a CUDA GPU"
-    dispatch.set_backend("triton")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    vl = VLLM()
-    log(f"GPU {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, "
-        f"vLLM {vl.version if vl.ok else 'not importable (' + vl.reason + ')'}")
-    timer = Timer(a.reps)
-    layer = Layer(vl)
-    log("inputs ready")
-    tuned_info = None
-    if a.tune:
-        table = tune(layer, timer, T0 + a.budget_s, a.tune_reps, a.tune_keys)
-        path = lg.tuned_table_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if a.tune_keys is not None and path.exists():          # keep the entries that were not retuned
-            old = json.loads(path.read_text())
-            table = {"gemm": {**old.get("gemm", {}), **table["gemm"]},
-                     "candidates": {**old.get("candidates", {}), **table["candidates"]},
-                     # hand edits (with their measurements) of entries the tuner did not redo
-                     "edits": [e for e in old.get("edits", []) if e["key"] not in table["gemm"]]}
-        tuned_info = {"path": str(path), "keys": len(table["gemm"])}
-        path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
-                                    "date": datetime.date.today().isoformat(), **table}, indent=1))
-        lg.reload_tuned_table()
-        log(f"tuned table written: {path} ({len(table['gemm'])} keys)")
+    return ap.parse_args(argv)
 
-    # compile everything the measurements launch, in parallel
-    ms = () if a.only_train else MS
+
+def _tune_and_write_table(layer, timer, a) -> dict:
+    """Tune, merge with the kept entries of an existing table (--tune-keys), write it, reload it."""
+    table = tune(layer, timer, T0 + a.budget_s, a.tune_reps, a.tune_keys)
+    path = lg.tuned_table_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if a.tune_keys is not None and path.exists():          # keep the entries that were not retuned
+        old = json.loads(path.read_text())
+        table = {"gemm": {**old.get("gemm", {}), **table["gemm"]},
+                 "candidates": {**old.get("candidates", {}), **table["candidates"]},
+                 # hand edits (with their measurements) of entries the tuner did not redo
+                 "edits": [e for e in old.get("edits", []) if e["key"] not in table["gemm"]]}
+    tuned_info = {"path": str(path), "keys": len(table["gemm"])}
+    path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
+                                "date": datetime.date.today().isoformat(), **table}, indent=1))
+    lg.reload_tuned_table()
+    log(f"tuned table written: {path} ({len(table['gemm'])} keys)")
+    return tuned_info
+
+
+def _precompile(layer, a, ms) -> dict:
+    """Compile everything the measurements launch, in parallel."""
     with tu.collect_launches() as rec:
         for M in ms:
             for mode in ("w8a8", "w8a16"):
@@ -735,30 +770,37 @@ def main(argv=None):
                     dx_gemm(xx, q, sw, A, None)()
     info = tu.precompile(rec, jobs=os.cpu_count() or 8)
     log(f"precompiled {info['kernels']} kernels in {info['seconds']} s; errors: {info['errors']}")
+    return info
 
+
+def _measure(rows, timer, op, mode, M, S, ours_fn, base_name, base_fn):
+    if base_fn is not None:
+        try:                                       # ours and the baseline replayed in turn
+            o, b = timer.paired_us([ours_fn, base_fn])
+            rows.append(row(op, mode, M, S, o, base_name, b))
+            return
+        except Exception:                          # find out which side fails, below
+            torch.cuda.synchronize()
+    try:
+        o = timer.graph_us(ours_fn)
+    except Exception as e:
+        log(f"FAILED ours {op} {mode} M={M} S={S}: {type(e).__name__}: {e}")
+        traceback.print_exc()
+        return
+    b = None
+    if base_fn is not None:
+        try:
+            b = timer.graph_us(base_fn)
+        except Exception as e:
+            log(f"FAILED baseline {base_name} {op} M={M} S={S}: {type(e).__name__}: {e}")
+    rows.append(row(op, mode, M, S, o, base_name, b))
+
+
+def _measure_layers_and_gemms(layer, vl, timer, ms) -> list[dict]:
     rows = []
 
-    def measure(op, mode, M, S, ours_fn, base_name, base_fn):
-        if base_fn is not None:
-            try:                                       # ours and the baseline replayed in turn
-                o, b = timer.paired_us([ours_fn, base_fn])
-                rows.append(row(op, mode, M, S, o, base_name, b))
-                return
-            except Exception:                          # find out which side fails, below
-                torch.cuda.synchronize()
-        try:
-            o = timer.graph_us(ours_fn)
-        except Exception as e:
-            log(f"FAILED ours {op} {mode} M={M} S={S}: {type(e).__name__}: {e}")
-            traceback.print_exc()
-            return
-        b = None
-        if base_fn is not None:
-            try:
-                b = timer.graph_us(base_fn)
-            except Exception as e:
-                log(f"FAILED baseline {base_name} {op} M={M} S={S}: {type(e).__name__}: {e}")
-        rows.append(row(op, mode, M, S, o, base_name, b))
+    def measure(*args):
+        _measure(rows, timer, *args)
 
     for M in ms:
         for S in (0, 1, 32):
@@ -778,9 +820,10 @@ def main(argv=None):
             measure(f"gemm:{name}", "w8a16", M, 0, layer.ours_gemm(name, M, "w8a16"), "ours_w8a8",
                     layer.ours_gemm(name, M, "w8a8"))
         log(f"M={M} done")
-    if not a.no_train:
-        rows += train_rows(layer, timer, a.reps)
+    return rows
 
+
+def _write_results(rows, a, vl, timer, tuned_info, info):
     acc = acceptance(rows)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 vllm=vl.version if vl.ok else None,
@@ -806,6 +849,28 @@ def main(argv=None):
             txt = txt[:txt.index(s) + len(s)] + "\n" + markdown(rows, meta) + "\n" + txt[txt.index(e):]
             readme.write_text(txt)
     log(f"wrote {out} ({len(rows)} rows)")
+
+
+def main(argv=None):
+    a = _args(argv)
+    if a.reps < 50:
+        log(f"note: --reps {a.reps} < 50 (the issue asks for a median of >= 50)")
+    assert torch.cuda.is_available(), "bench/kernels.py needs a CUDA GPU"
+    dispatch.set_backend("triton")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    vl = VLLM()
+    log(f"GPU {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, "
+        f"vLLM {vl.version if vl.ok else 'not importable (' + vl.reason + ')'}")
+    timer = Timer(a.reps)
+    layer = Layer(vl)
+    log("inputs ready")
+    tuned_info = _tune_and_write_table(layer, timer, a) if a.tune else None
+    ms = () if a.only_train else MS
+    info = _precompile(layer, a, ms)
+    rows = _measure_layers_and_gemms(layer, vl, timer, ms)
+    if not a.no_train:
+        rows += train_rows(layer, timer, a.reps)
+    _write_results(rows, a, vl, timer, tuned_info, info)
     return 0
 
 

@@ -6,7 +6,8 @@ picks one and records it; nothing falls back silently:
   - backend "triton": Triton always; CPU tensors are allowed only under TRITON_INTERPRET=1
     (the interpreter), otherwise it raises;
   - backend "torch": the reference always (the baseline arm, and the CPU path).
-Set it with `set_backend(...)`, the env var RLFP8_KERNELS, or the config key `trainer.kernels`.
+Set it with `set_backend(...)`, the env var RLFP8_KERNELS, or the config key `trainer.kernels`
+(it is the knob `backend` of rlfp8.kernels.knobs).
 `report()` returns {op: {path: calls}}; the trainer logs it, and the first call of each
 (op, path) pair is logged at INFO.
 """
@@ -21,10 +22,8 @@ import torch
 
 log = logging.getLogger("rlfp8.kernels")
 
-BACKENDS = ("auto", "triton", "torch")
-_backend = os.environ.get("RLFP8_KERNELS", "auto")
-if _backend not in BACKENDS:
-    raise ValueError(f"RLFP8_KERNELS={_backend!r}: allowed values are {BACKENDS}")
+from .knobs import BACKENDS, knobs, set_knobs
+
 _ran: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
 
 
@@ -33,19 +32,18 @@ def triton_interpreting() -> bool:
 
 
 def set_backend(backend: str) -> None:
-    global _backend
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend {backend!r}: allowed values are {BACKENDS}")
-    _backend = backend
+    set_knobs(backend=backend)
 
 
 def get_backend() -> str:
-    return _backend
+    return knobs().backend
 
 
 @contextmanager
 def use_backend(backend: str):
-    old = _backend
+    old = get_backend()
     set_backend(backend)
     try:
         yield
@@ -56,9 +54,10 @@ def use_backend(backend: str):
 def choose(op: str, *tensors: torch.Tensor | None) -> str:
     """Return "triton" or "torch" for this call of `op` and record the choice."""
     on_cuda = any(t is not None and t.is_cuda for t in tensors)
-    if _backend == "torch":
+    backend = knobs().backend
+    if backend == "torch":
         path = "torch"
-    elif _backend == "triton":
+    elif backend == "triton":
         if not on_cuda and not triton_interpreting():
             raise RuntimeError(
                 f"rlfp8.kernels.{op}: backend 'triton' was forced but the tensors are on the CPU "

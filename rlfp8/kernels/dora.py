@@ -24,23 +24,9 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
-from .linear import _flat, lora_backward_ref, lora_linear_fp32_ref
-
-OP_NORM = "dora_norm_pieces"
-OP_COLDOT = "dora_col_dot"
-CHUNK_ELEMS = 1 << 22          # reference paths widen at most this many codes / products at a time (16 MiB fp32)
-NORM_PRECISIONS = ("bf16x2", "ieee")
-
-
-def _check_base(q, scale, A=None):
-    if q.dim() != 2 or q.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"rlfp8.kernels.dora: q must be float8_e4m3fn [N, K], got {q.dtype} {tuple(q.shape)}")
-    if scale is None or scale.shape != (q.shape[0],) or scale.dtype != torch.float32:
-        raise ValueError(f"rlfp8.kernels.dora: scale must be fp32 [N={q.shape[0]}], got "
-                         f"{None if scale is None else (scale.dtype, tuple(scale.shape))}")
-    if A is not None and (A.dim() != 2 or A.shape[1] != q.shape[1]):
-        raise ValueError(f"rlfp8.kernels.dora: A must be [r, K={q.shape[1]}], got {tuple(A.shape)}")
-
+from .dora_ref import (CHUNK_ELEMS, NORM_PRECISIONS, OP_COLDOT, OP_NORM, _check_base,  # noqa: F401
+                       column_scale_from_norm, dm_from_col_dot)
+from .linear_ref import _flat, lora_backward_ref, lora_linear_fp32_ref
 
 def norm_pieces_ref(q: torch.Tensor, scale: torch.Tensor, A: torch.Tensor, want_w_sq: bool = True):
     """(‖W‖²_row [N] fp32 or None, U = W·Aᵀ [N, r] fp32) from the codes, in row chunks of <= CHUNK_ELEMS codes."""
@@ -96,12 +82,6 @@ def dora_row_norm(q, scale, A, B, lora_scale: float, w_sq: torch.Tensor | None =
     return n2.clamp_min(0).sqrt()
 
 
-def column_scale_from_norm(m: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """g = m / n in fp32 (differentiable in m, n detached), 0 where n = 0."""
-    n = n.detach()
-    return torch.where(n > 0, m.float() / torch.where(n > 0, n, torch.ones_like(n)), torch.zeros_like(n))
-
-
 def dora_column_scale(m, q, scale, A, B, lora_scale: float, w_sq: torch.Tensor | None = None,
                       precision: str = "bf16x2") -> torch.Tensor:
     """g = m / ‖W + s·B·A‖_row [N] fp32 with PEFT's detached norm: what K2's `g` epilogue applies (the engine
@@ -134,9 +114,7 @@ def col_dot(dy, y, bias=None):
 
 
 def _dm(dy2, y2, bias, m, g):
-    dm = col_dot(dy2, y2, bias)
-    nz = m != 0
-    return torch.where(nz, dm / torch.where(nz, m.float(), torch.ones_like(dm)), torch.zeros_like(dm))
+    return dm_from_col_dot(col_dot(dy2, y2, bias), m)
 
 
 class DoRALinearRef(torch.autograd.Function):

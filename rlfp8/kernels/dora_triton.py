@@ -18,10 +18,11 @@ import triton.language as tl
 
 from . import dispatch
 from ._triton_utils import check_tensor, launch, next_pow2, require_triton_device
-from .dora import NORM_PRECISIONS, OP_COLDOT, OP_NORM, _check_base, _dm, column_scale_from_norm
+from .dora_ref import NORM_PRECISIONS, OP_COLDOT, OP_NORM, _check_base, column_scale_from_norm, dm_from_col_dot
 from .linear_triton import lora_backward_triton
-from .lora_gemm import NUM_SMS_HINT, lora_gemm_triton
-from .lora_shrink import lora_shrink_triton
+from .gemm_configs import NUM_SMS_HINT
+from .gemm_triton import lora_gemm_triton
+from .shrink_triton import lora_shrink_triton
 
 
 @triton.jit
@@ -173,5 +174,7 @@ class DoRALinearTriton(torch.autograd.Function):
         dm = None
         if needs[5]:
             dy2 = dy.reshape(-1, N)
-            dm = _dm(dy2 if dy2.stride(-1) == 1 else dy2.contiguous(), y, bias, m, g).to(m.dtype)
+            dispatch.record(OP_COLDOT, "triton")
+            dm = dm_from_col_dot(col_dot_triton(dy2 if dy2.stride(-1) == 1 else dy2.contiguous(), y, bias),
+                                 m).to(m.dtype)
         return dx, None, None, dA, dB, dm, None, None, None

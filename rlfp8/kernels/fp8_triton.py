@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ._triton_utils import check_tensor, launch, next_pow2, require_triton_device
-from .fp8 import ACT_ROUNDING, FP8_DTYPE, FP8_MAX, MIN_SCALE
+from .fp8_ref import ACT_ROUNDING, FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 ROUNDING_CODE = {"div": 1, "recip": 2}
 

@@ -27,8 +27,9 @@ import triton.language as tl
 
 from . import dispatch
 from ._triton_utils import check_tensor, launch, next_pow2, require_triton_device
-from .lora_gemm import NUM_SMS_HINT, lora_gemm_triton
-from .lora_shrink import lora_shrink_triton
+from .gemm_configs import NUM_SMS_HINT
+from .gemm_triton import lora_gemm_triton
+from .shrink_triton import lora_shrink_triton
 
 OP = "lora_linear"
 

@@ -1,6 +1,6 @@
 """Adapter-sorted segment metadata for the multi-adapter kernels, laid out exactly like vLLM's
 LoRAKernelMeta (vllm/lora/ops/triton_ops/lora_kernel_metadata.py), so the engine can hand vLLM's own
-tensors to K1/K2 without copies (`LoRAMeta.from_vllm`).
+tensors to K1/K2 without copies (rlfp8.rollout.vllm_lora_meta.lora_meta_from_vllm).
 
 From per-token slot ids (int, -1 = no adapter), for T tokens and max_loras slots:
   token_lora_mapping               [T]              int32  slot per token (-1 = none)
@@ -16,7 +16,6 @@ programs exit at once, so those rows of h are never written.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -48,20 +47,6 @@ class LoRAMeta:
     def num_active(self) -> int:
         """Grid size over segments (-1 segment included, as vLLM counts it)."""
         return int(self.num_active_loras_cpu.item())
-
-    @classmethod
-    def from_vllm(cls, meta, num_tokens: int, specialize_active_lora: bool = True) -> "LoRAMeta":
-        """Views of a vLLM LoRAKernelMeta (0.26: meta_args(T) -> 6-tuple; later: meta_args(T, specialize)
-        -> 7-tuple with num_active_loras). No copies; when vLLM does not count active adapters the grid
-        covers max_loras + 1 segments and the idle ones exit."""
-        params = inspect.signature(meta.meta_args).parameters
-        args = meta.meta_args(num_tokens, specialize_active_lora) if len(params) >= 2 else meta.meta_args(num_tokens)
-        mapping, sorted_ids, ntok, start, ids, no_lora = args[:6]
-        if len(args) >= 7:
-            n_active = args[6]
-        else:
-            n_active = torch.tensor([ids.shape[0]], dtype=torch.int32)
-        return cls(mapping, sorted_ids, ids, ntok, start, no_lora, n_active)
 
     def validate(self, op: str, M: int) -> None:
         if self.token_lora_mapping.shape[0] != M or self.token_indices_sorted_by_lora_ids.shape[0] != M:

@@ -21,12 +21,14 @@ _LAYERS: list[type] = []
 
 
 def _lora_meta(layer, num_tokens: int):
-    from rlfp8.kernels import LoRAMeta, build_lora_meta
+    from rlfp8.kernels import build_lora_meta
+
+    from .vllm_lora_meta import lora_meta_from_vllm
     pw = layer.punica_wrapper
     kernel_meta = getattr(pw, "token_mapping_meta", None)
     if kernel_meta is not None:                                           # GPU punica wrapper
         specialize = bool(getattr(layer.lora_config, "specialize_active_lora", True))
-        return LoRAMeta.from_vllm(kernel_meta, num_tokens, specialize)
+        return lora_meta_from_vllm(kernel_meta, num_tokens, specialize)
     slots = pw.token_lora_indices[:num_tokens]                            # CPU punica wrapper
     return build_lora_meta(slots, layer.lora_a_stacked[0].shape[0])
 

@@ -9,7 +9,7 @@ import torch
 from rlfp8.kernels import dispatch, fp8
 from rlfp8.kernels import dora as kdora
 from rlfp8.kernels.dora_triton import DoRALinearTriton, col_dot_triton, norm_pieces_triton
-from rlfp8.kernels.lora_gemm import fp8_lora_linear
+from rlfp8.kernels import fp8_lora_linear
 from tests.conftest import rel_err
 
 pytestmark = pytest.mark.gpu

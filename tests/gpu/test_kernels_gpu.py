@@ -4,7 +4,7 @@ both engine modes: kernels against fp64 math; quantization bit-equal to the refe
 IEEE amax/448 and to vLLM's dynamic_per_token_scaled_fp8_quant; the matched property (engine W8A16 call and
 trainer forward bit-identical on the same rows); the two W8A16 widenings, the two multi-adapter epilogue
 variants and the two split-K reductions (distributed over the tile's programs, or by its last program; also
-in CUDA-graph replays with PDL) bit-identical; the Gluon main loop (lora_gemm_rs, > 512 tokens without metadata) bit-identical to
+in CUDA-graph replays with PDL) bit-identical; the Gluon main loop (gemm_rs, > 512 tokens without metadata) bit-identical to
 the Triton kernel for the forward and dx GEMMs; the training linear's forward and backward against
 LoRALinearRef, with allocation sizes showing that no weight is copied.
 
@@ -23,12 +23,17 @@ import torch
 from rlfp8.kernels import _triton_utils as tu
 from rlfp8.kernels import dispatch, fp8
 from rlfp8.kernels.fp8_triton import quantize_activation_triton, quantize_weight_triton
-from rlfp8.kernels.linear import LoRALinearRef
+from rlfp8.kernels.gemm_configs import gemm_config
+from rlfp8.kernels.gemm_ref import lora_gemm_ref
+from rlfp8.kernels.gemm_triton import lora_gemm_triton
+from rlfp8.kernels.knobs import restore_knobs, set_knobs
+from rlfp8.kernels.linear_ref import LoRALinearRef
 from rlfp8.kernels.linear_triton import lora_linear_triton
-from rlfp8.kernels.lora_gemm import fp8_lora_linear, gemm_config, lora_gemm_ref, lora_gemm_triton
-from rlfp8.kernels.lora_shrink import lora_shrink_triton
 from rlfp8.kernels.metadata import build_lora_meta
+from rlfp8.kernels.projection import fp8_lora_linear
+from rlfp8.kernels.shrink_triton import lora_shrink_triton
 from tests.conftest import rel_err
+from tests.oracles import gemm_fp64, quant_scale_fp64, shrink_fp64
 
 pytestmark = pytest.mark.gpu
 
@@ -84,24 +89,12 @@ def _case_inputs(shape, M, r, S):
 
 
 def _reference(x, q, sw, A, B, slots, bias, mode):
-    """fp64 reference: (s_x·)s_w·(x·qᵀ) + h·B_slotᵀ + bias, h = x·A_slotᵀ (h from 16-bit x)."""
+    """fp64 oracle: (s_x·)s_w·(x·qᵀ) + h·B_slotᵀ + bias, h = x·A_slotᵀ (h from 16-bit x)."""
+    h = shrink_fp64(x, A, slots)
     if mode == "w8a8":
         xq, xs = fp8.quantize_activation_ref(x)
-        acc = (xq.double() @ q.double().t()) * (sw.double()[None, :] * xs.double())
-    else:
-        acc = (x.double() @ q.double().t()) * sw.double()[None, :]
-    offs = [0]
-    for b in B:
-        offs.append(offs[-1] + b.shape[1])
-    h = torch.zeros(len(A), x.shape[0], A[0].shape[1], dtype=torch.float64, device=DEV)
-    for s in torch.unique(slots).tolist():
-        if s < 0:
-            continue
-        rows = (slots == s).nonzero().squeeze(1)
-        for i, (a, b) in enumerate(zip(A, B)):
-            h[i, rows] = x[rows].double() @ a[s].double().t()
-            acc[rows, offs[i]:offs[i + 1]] += h[i, rows] @ b[s].double().t()
-    return acc + bias.double()[None, :], h
+        return gemm_fp64(xq, q, sw, x_scale=xs, h=h, B=B, slots=slots, bias=bias), h
+    return gemm_fp64(x, q, sw, h=h, B=B, slots=slots, bias=bias), h
 
 
 def _run_case(shape, M, r, S, mode):
@@ -163,11 +156,6 @@ def _warm():
 
 
 # ---------------------------------------------------------------------------------------------- quantization
-def _ieee_scale(x):
-    """max(amax/448, 1/(448*512)) with the fp32 division correctly rounded: the fp64 quotient of two fp32
-    numbers rounded to fp32 is the IEEE fp32 quotient (53 >= 2*24 + 2, no double-rounding error)."""
-    amax = x.abs().amax(dim=-1).double()
-    return torch.clamp((amax / 448.0).float(), min=fp8.MIN_SCALE)
 
 
 def _diff(a, b):
@@ -184,7 +172,7 @@ def test_activation_quant_bit_exact(M, K, rounding):
     q, s = quantize_activation_triton(x, rounding)
     qr, sr = fp8.quantize_activation_ref(x, rounding)
     qc, sc = fp8.quantize_activation_ref(x.cpu(), rounding)
-    oracle = _ieee_scale(x)[:, None]
+    oracle = quant_scale_fp64(x)[:, None]
     # which side is wrong, if any: the Triton kernel, the CUDA reference, or the CPU reference
     assert torch.equal(s, oracle), f"Triton scale: {_diff(s, oracle)} of {M} rows differ from IEEE amax/448"
     assert torch.equal(sr, oracle), f"CUDA reference scale: {_diff(sr, oracle)} rows differ from IEEE amax/448"
@@ -198,8 +186,8 @@ def test_weight_quant_bit_exact():
     w[5, 3] = 40.0
     q, s = quantize_weight_triton(w)
     qr, sr = fp8.quantize_weight_ref(w)
-    assert torch.equal(s, _ieee_scale(w)), "Triton weight scale differs from IEEE amax/448"
-    assert torch.equal(sr, _ieee_scale(w)), "CUDA reference weight scale differs from IEEE amax/448"
+    assert torch.equal(s, quant_scale_fp64(w)), "Triton weight scale differs from IEEE amax/448"
+    assert torch.equal(sr, quant_scale_fp64(w)), "CUDA reference weight scale differs from IEEE amax/448"
     assert torch.equal(s, sr) and torch.equal(q.view(torch.uint8), qr.view(torch.uint8)), _diff(q, qr)
 
 
@@ -372,21 +360,21 @@ DIST_CASES = [("qkv", 64, 1, "w8a16", False), ("o", 64, 4, "w8a16", True), ("dow
 def _split_protocols(shape, M, S, mode, dora, use_pdl=False):
     """The same call with the split-K partials reduced by every program (its share of the tokens) and by the
     tile's last program only (the interpreter's protocol); both with the tuned config."""
-    from rlfp8.kernels import lora_gemm as lg
     x, q, sw, A, B, slots, meta, bias = _case_inputs(shape, M, 64, S)
     cfg = gemm_config(mode, M, q.shape[0], q.shape[1], DEV)
     xin, xs = (x, None) if mode == "w8a16" else fp8.quantize_activation_ref(x)
     g = torch.rand(S, q.shape[0], device=DEV) + 0.5 if dora else None
     h = lora_shrink_triton(x, A, meta).h
     outs = {}
+    saved = set_knobs()
     try:
         for dist in (True, False):
-            lg.DIST_RED = dist
+            set_knobs(k2_dist_red=dist)
             outs[dist] = [lora_gemm_triton(xin, q, sw, x_scale=xs, h=h, B=B, meta=meta, g=g, bias=bias,
                                            out_dtype=dt, use_pdl=use_pdl)
                           for dt in (torch.bfloat16, torch.float32)]
     finally:
-        lg.DIST_RED = True
+        restore_knobs(saved)
     return cfg, outs, (x, q, sw, h, B, meta, g, bias)
 
 
@@ -522,7 +510,7 @@ def test_w8a16_widening_bits_equal_cvt(shape, M):
 
 
 def _epilogue_variants(mode):
-    from rlfp8.kernels import lora_gemm as lg
+    from rlfp8.kernels import gemm_triton as lg
     x, q, sw, A, B, slots, meta, bias = _case_inputs("qkv", 64, 64, 32)
     xin, xs = (x, None) if mode == "w8a16" else fp8.quantize_activation_ref(x)
     h = lora_shrink_triton(x, A, meta).h
@@ -595,8 +583,8 @@ def test_gluon_rs_bits_equal_triton_kernel(shape, M, r, bias):
 
 
 def test_gluon_rs_not_used_where_unsupported():
-    """Metadata (gather), fp16 x, an fp32 output, an explicit config or RLFP8_GEMM_RS=0 keep the Triton kernel;
-    the dispatch says which main loop ran."""
+    """Metadata (gather), fp16 x, an fp32 output, an explicit config (or the knob gemm_rs=false) keep the Triton
+    kernel; the dispatch says which main loop ran."""
     K, widths, q, sw = _weights("o", seed=13)
     N, M = sum(widths), 1024
     x = torch.randn(M, K, device=DEV, dtype=torch.bfloat16)

@@ -23,18 +23,18 @@ assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTER
 
 import torch  # noqa: E402
 
-from rlfp8.kernels import _triton_utils as tu  # noqa: E402
 from rlfp8.kernels.dora_triton import col_dot_triton, norm_pieces_triton  # noqa: E402
+from rlfp8.kernels import _triton_utils as tu  # noqa: E402
 from rlfp8.kernels.fp8_triton import quantize_activation_triton, quantize_weight_triton  # noqa: E402
 from rlfp8.kernels.linear_triton import dy_prep_triton  # noqa: E402
-from rlfp8.kernels.lora_gemm import (M_BUCKETS, GemmConfig, _tuned_table, gemm_config,  # noqa: E402
-                                     lora_gemm_triton)
-from rlfp8.kernels.lora_shrink import lora_shrink_triton  # noqa: E402
+from rlfp8.kernels.gemm_configs import M_BUCKETS, GemmConfig, _tuned_table, gemm_config  # noqa: E402
+from rlfp8.kernels.gemm_triton import lora_gemm_triton  # noqa: E402
+from rlfp8.kernels.shrink_triton import lora_shrink_triton  # noqa: E402
 from rlfp8.kernels.metadata import build_lora_meta  # noqa: E402
 
 SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (4096, [12288, 12288]),
           "down": (12288, [4096])}
-M_REPS = [1, 24, 64, 128, 256, 300, 2048]          # one M per bucket of lora_gemm.M_BUCKETS
+M_REPS = [1, 24, 64, 128, 256, 300, 2048]          # one M per bucket of gemm_config.M_BUCKETS
 assert len(M_REPS) == len(M_BUCKETS)
 SMEM_MAX = 232448                                  # sm_90 max dynamic shared memory per block (227 KiB)
 FP8 = torch.float8_e4m3fn
@@ -47,112 +47,141 @@ def _e(*shape, dtype=BF16):
 
 def collect() -> list:
     """All launches (kernel, grid, args, kwargs) the GPU paths make, one per distinct kernel + config."""
-    S, r = 4, 64
     with tu.collect_launches() as rec:
-        quantize_activation_triton(_e(64, 4096), "div")
-        quantize_activation_triton(_e(64, 4096), "recip")
-        quantize_weight_triton(_e(1024, 12288))
-        for name, (K, widths) in SHAPES.items():
-            N = sum(widths)
-            q, sw = _e(N, K, dtype=FP8), torch.empty(N)
-            for M in M_REPS:
-                x = _e(M, K)
-                slots = torch.arange(M) % (S + 1) - 1                 # some tokens without adapter
-                meta = build_lora_meta(slots, S)
-                A = [_e(S, r, K) for _ in widths]
-                B = [_e(S, n, r) for n in widths]
-                h = torch.empty(len(widths), M, r)
-                lora_shrink_triton(x, A, meta, quant="div")
-                lora_gemm_triton(x, q, sw, h=h, B=B, meta=meta, g=torch.empty(S, N), bias=_e(N))
-                lora_gemm_triton(_e(M, K, dtype=FP8), q, sw, x_scale=torch.empty(M, 1), h=h, B=B, meta=meta)
-                lora_gemm_triton(x, q, sw)
-                lora_gemm_triton(_e(M, K, dtype=FP8), q, sw, x_scale=torch.empty(M, 1))
-                if M in (1, 64, 2048):        # one adapter: the epilogue without the slot pipeline
-                    meta1 = build_lora_meta(torch.zeros(M, dtype=torch.long), 1)
-                    B1 = [_e(1, n, r) for n in widths]
-                    lora_gemm_triton(x, q, sw, h=h, B=B1, meta=meta1)
-                    lora_gemm_triton(_e(M, K, dtype=FP8), q, sw, x_scale=torch.empty(M, 1), h=h, B=B1, meta=meta1)
-            # the training linear at 8x1024 tokens: forward (no metadata) and backward dx (transposed codes)
-            T = 8192
-            x, dy = _e(T, K), _e(T, N)
-            A1, B1 = _e(r, K), _e(N, r)
-            lora_shrink_triton(x, A1[None], None)
-            lora_gemm_triton(x, q, sw, h=torch.empty(1, T, r), B=B1[None])
-            lora_gemm_triton(dy, q.t(), None, h=torch.empty(1, T, r), B=A1.t()[None])
-            dy_prep_triton(dy, torch.empty(N), _e(N, r))
-            norm_pieces_triton(q, sw, torch.empty(384, K))                 # DoRA's norm pieces (bf16x2)
-            col_dot_triton(dy, dy)                                         # DoRA's dm column dot
-        # TMA weight loads (a tuning option) at three buckets, both modes
-        K, N = 4096, 6144
+        _quantizer_and_projection_launches()
+        _tma_orientation_and_widening_launches()
+        _rank_and_pdl_launches()
+        _tuned_table_launches()
+    rec.extend(_gluon_launches())
+    return _distinct(rec)
+
+
+def _quantizer_and_projection_launches(S: int = 4, r: int = 64) -> None:
+    """The quantizers; K1/K2 for every Qwen3-8B projection at one M per bucket; the training linear."""
+    quantize_activation_triton(_e(64, 4096), "div")
+    quantize_activation_triton(_e(64, 4096), "recip")
+    quantize_weight_triton(_e(1024, 12288))
+    for name, (K, widths) in SHAPES.items():
+        N = sum(widths)
         q, sw = _e(N, K, dtype=FP8), torch.empty(N)
-        for M in (16, 64, 2048):
-            for xx, xs in ((_e(M, K), None), (_e(M, K, dtype=FP8), torch.empty(M, 1))):
-                mode = "w8a8" if xs is not None else "w8a16"
-                cfg = dataclasses.replace(gemm_config(mode, M, N, K), w_tma=True)
-                lora_gemm_triton(xx, q, sw, x_scale=xs, config=cfg)
-                lora_gemm_triton(xx, q, sw, x_scale=xs, config=dataclasses.replace(cfg, x_tma=True, swap_ab=False))
-                lora_gemm_triton(xx, q, sw, x_scale=xs, config=dataclasses.replace(cfg, x_tma=True, swap_ab=True))
-        # the other main-loop orientation (tokens on the MMA's M side, weight tile through shared memory) with
-        # the four-codes-per-register widening, at decode, small-prefill and training sizes, with one adapter
-        for M in (16, 64, 2048):
-            meta1 = build_lora_meta(torch.zeros(M, dtype=torch.long), 1)
-            for xx, xs in ((_e(M, K), None), (_e(M, K, dtype=FP8), torch.empty(M, 1))):
-                mode = "w8a8" if xs is not None else "w8a16"
-                cfg = dataclasses.replace(gemm_config(mode, M, N, K), swap_ab=False, widen="prmt")
-                lora_gemm_triton(xx, q, sw, x_scale=xs, config=cfg)
-                lora_gemm_triton(xx, q, sw, x_scale=xs, h=torch.empty(1, M, r), B=_e(1, N, r), meta=meta1,
-                                 config=cfg)
-        cfg = dataclasses.replace(gemm_config("w8a16", 8192, K, N, transposed=True), swap_ab=False)
-        lora_gemm_triton(_e(8192, N), q.t(), None, h=torch.empty(1, 8192, r),
-                         B=_e(r, K).t()[None], config=cfg)
-        for swap in (True, False):                    # the dx GEMM with TMA on the stored codes and on gy
-            cfg = dataclasses.replace(gemm_config("w8a16", 8192, K, N, transposed=True), swap_ab=swap, w_tma=True,
-                                      x_tma=not swap)
-            lora_gemm_triton(_e(8192, N), q.t(), None, h=torch.empty(1, 8192, r), B=_e(r, K).t()[None], config=cfg)
-        # the 64-token config the H200 tuner chose, with one adapter (a register budget the compile test checks)
-        meta1 = build_lora_meta(torch.zeros(64, dtype=torch.long), 1)
-        for xx, xs in ((_e(64, K), None), (_e(64, K, dtype=FP8), torch.empty(64, 1))):
-            lora_gemm_triton(xx, q, sw, x_scale=xs, h=torch.empty(3, 64, r),
-                             B=[_e(1, 4096, r), _e(1, 1024, r), _e(1, 1024, r)], meta=meta1,
-                             config=GemmConfig(64, 64, 128, 4, 8, 4, 4))
-        # Triton's own widening (GemmConfig.widen="cvt"), for the comparison with the bit-trick widening
-        cfg = dataclasses.replace(gemm_config("w8a16", 16, N, K), widen="cvt")
-        lora_gemm_triton(_e(16, K), q, sw, config=cfg)
-        # other ranks, PDL variants
-        K, N = 4096, 4096
-        x, q, sw = _e(16, K), _e(N, K, dtype=FP8), torch.empty(N)
-        meta = build_lora_meta(torch.arange(16) % 3 - 1, 2)
-        for rr in (16, 128):
-            lora_shrink_triton(x, _e(2, rr, K), meta)
-            lora_gemm_triton(x, q, sw, h=torch.empty(1, 16, rr), B=_e(2, N, rr), meta=meta)
-        lora_shrink_triton(x, _e(2, r, K), meta, quant="div", use_pdl=True)
-        lora_gemm_triton(x, q, sw, h=torch.empty(1, 16, r), B=_e(2, N, r), meta=meta, use_pdl=True)
-        # every entry of a tuned table, if one exists for the GPU named by RLFP8_TUNED_GPU
-        for key, entry in _tuned_table("cuda").items():
-            mode, bucket, K, ncls = key.split("|")
-            K, M = int(K), min(int(bucket), 4096)
-            N = 4096 if ncls == "narrow" else 24576
-            xx = _e(M, K, dtype=FP8 if mode == "w8a8" else BF16)
-            if mode == "w8a16T":                          # the training backward's dx GEMM (transposed codes)
-                T = 8192
-                lora_gemm_triton(_e(T, K), _e(K, N, dtype=FP8).t(), None, h=torch.empty(1, T, r),
-                                 B=_e(r, N).t()[None], config=GemmConfig(**entry))
-                continue
-            lora_gemm_triton(xx, _e(N, K, dtype=FP8), torch.empty(N), x_scale=torch.empty(M, 1) if mode == "w8a8"
-                             else None, h=torch.empty(1, M, r), B=_e(S, N, r),
-                             meta=build_lora_meta(torch.arange(M) % S, S), config=GemmConfig(**entry))
-    # the Gluon main loop K2 dispatches to at many tokens (lora_gemm_rs: bf16 x, no metadata): the trainer's
-    # forward (with LoRA, with and without bias, ranks 64 and 16), the dx GEMM, the base GEMM
-    from rlfp8.kernels import lora_gemm_rs
+        for M in M_REPS:
+            x = _e(M, K)
+            slots = torch.arange(M) % (S + 1) - 1                 # some tokens without adapter
+            meta = build_lora_meta(slots, S)
+            A = [_e(S, r, K) for _ in widths]
+            B = [_e(S, n, r) for n in widths]
+            h = torch.empty(len(widths), M, r)
+            lora_shrink_triton(x, A, meta, quant="div")
+            lora_gemm_triton(x, q, sw, h=h, B=B, meta=meta, g=torch.empty(S, N), bias=_e(N))
+            lora_gemm_triton(_e(M, K, dtype=FP8), q, sw, x_scale=torch.empty(M, 1), h=h, B=B, meta=meta)
+            lora_gemm_triton(x, q, sw)
+            lora_gemm_triton(_e(M, K, dtype=FP8), q, sw, x_scale=torch.empty(M, 1))
+            if M in (1, 64, 2048):        # one adapter: the epilogue without the slot pipeline
+                meta1 = build_lora_meta(torch.zeros(M, dtype=torch.long), 1)
+                B1 = [_e(1, n, r) for n in widths]
+                lora_gemm_triton(x, q, sw, h=h, B=B1, meta=meta1)
+                lora_gemm_triton(_e(M, K, dtype=FP8), q, sw, x_scale=torch.empty(M, 1), h=h, B=B1, meta=meta1)
+        # the training linear at 8x1024 tokens: forward (no metadata) and backward dx (transposed codes)
+        T = 8192
+        x, dy = _e(T, K), _e(T, N)
+        A1, B1 = _e(r, K), _e(N, r)
+        lora_shrink_triton(x, A1[None], None)
+        lora_gemm_triton(x, q, sw, h=torch.empty(1, T, r), B=B1[None])
+        lora_gemm_triton(dy, q.t(), None, h=torch.empty(1, T, r), B=A1.t()[None])
+        dy_prep_triton(dy, torch.empty(N), _e(N, r))
+        norm_pieces_triton(q, sw, torch.empty(384, K))                 # DoRA's norm pieces (bf16x2)
+        col_dot_triton(dy, dy)                                         # DoRA's dm column dot
+
+
+def _tma_orientation_and_widening_launches(r: int = 64) -> None:
+    """TMA loads, the tokens-on-M orientation, the dx GEMM variants, the tuned 64-token config, cvt."""
+    # TMA weight loads (a tuning option) at three buckets, both modes
+    K, N = 4096, 6144
+    q, sw = _e(N, K, dtype=FP8), torch.empty(N)
+    for M in (16, 64, 2048):
+        for xx, xs in ((_e(M, K), None), (_e(M, K, dtype=FP8), torch.empty(M, 1))):
+            mode = "w8a8" if xs is not None else "w8a16"
+            cfg = dataclasses.replace(gemm_config(mode, M, N, K), w_tma=True)
+            lora_gemm_triton(xx, q, sw, x_scale=xs, config=cfg)
+            lora_gemm_triton(xx, q, sw, x_scale=xs, config=dataclasses.replace(cfg, x_tma=True, swap_ab=False))
+            lora_gemm_triton(xx, q, sw, x_scale=xs, config=dataclasses.replace(cfg, x_tma=True, swap_ab=True))
+    # the other main-loop orientation (tokens on the MMA's M side, weight tile through shared memory) with
+    # the four-codes-per-register widening, at decode, small-prefill and training sizes, with one adapter
+    for M in (16, 64, 2048):
+        meta1 = build_lora_meta(torch.zeros(M, dtype=torch.long), 1)
+        for xx, xs in ((_e(M, K), None), (_e(M, K, dtype=FP8), torch.empty(M, 1))):
+            mode = "w8a8" if xs is not None else "w8a16"
+            cfg = dataclasses.replace(gemm_config(mode, M, N, K), swap_ab=False, widen="prmt")
+            lora_gemm_triton(xx, q, sw, x_scale=xs, config=cfg)
+            lora_gemm_triton(xx, q, sw, x_scale=xs, h=torch.empty(1, M, r), B=_e(1, N, r), meta=meta1,
+                             config=cfg)
+    cfg = dataclasses.replace(gemm_config("w8a16", 8192, K, N, transposed=True), swap_ab=False)
+    lora_gemm_triton(_e(8192, N), q.t(), None, h=torch.empty(1, 8192, r),
+                     B=_e(r, K).t()[None], config=cfg)
+    for swap in (True, False):                    # the dx GEMM with TMA on the stored codes and on gy
+        cfg = dataclasses.replace(gemm_config("w8a16", 8192, K, N, transposed=True), swap_ab=swap, w_tma=True,
+                                  x_tma=not swap)
+        lora_gemm_triton(_e(8192, N), q.t(), None, h=torch.empty(1, 8192, r), B=_e(r, K).t()[None], config=cfg)
+    # the 64-token config the H200 tuner chose, with one adapter (a register budget the compile test checks)
+    meta1 = build_lora_meta(torch.zeros(64, dtype=torch.long), 1)
+    for xx, xs in ((_e(64, K), None), (_e(64, K, dtype=FP8), torch.empty(64, 1))):
+        lora_gemm_triton(xx, q, sw, x_scale=xs, h=torch.empty(3, 64, r),
+                         B=[_e(1, 4096, r), _e(1, 1024, r), _e(1, 1024, r)], meta=meta1,
+                         config=GemmConfig(64, 64, 128, 4, 8, 4, 4))
+    # Triton's own widening (GemmConfig.widen="cvt"), for the comparison with the bit-trick widening
+    cfg = dataclasses.replace(gemm_config("w8a16", 16, N, K), widen="cvt")
+    lora_gemm_triton(_e(16, K), q, sw, config=cfg)
+
+
+def _rank_and_pdl_launches(r: int = 64) -> None:
+    """Other LoRA ranks and the PDL variants."""
+    # other ranks, PDL variants
+    K, N = 4096, 4096
+    x, q, sw = _e(16, K), _e(N, K, dtype=FP8), torch.empty(N)
+    meta = build_lora_meta(torch.arange(16) % 3 - 1, 2)
+    for rr in (16, 128):
+        lora_shrink_triton(x, _e(2, rr, K), meta)
+        lora_gemm_triton(x, q, sw, h=torch.empty(1, 16, rr), B=_e(2, N, rr), meta=meta)
+    lora_shrink_triton(x, _e(2, r, K), meta, quant="div", use_pdl=True)
+    lora_gemm_triton(x, q, sw, h=torch.empty(1, 16, r), B=_e(2, N, r), meta=meta, use_pdl=True)
+
+
+def _tuned_table_launches(S: int = 4, r: int = 64) -> None:
+    """Every entry of a tuned table, if one exists for the GPU named by the knob tuned_gpu (RLFP8_TUNED_GPU)."""
+    for key, entry in _tuned_table("cuda").items():
+        mode, bucket, K, ncls = key.split("|")
+        K, M = int(K), min(int(bucket), 4096)
+        N = 4096 if ncls == "narrow" else 24576
+        xx = _e(M, K, dtype=FP8 if mode == "w8a8" else BF16)
+        if mode == "w8a16T":                          # the training backward's dx GEMM (transposed codes)
+            T = 8192
+            lora_gemm_triton(_e(T, K), _e(K, N, dtype=FP8).t(), None, h=torch.empty(1, T, r),
+                             B=_e(r, N).t()[None], config=GemmConfig(**entry))
+            continue
+        lora_gemm_triton(xx, _e(N, K, dtype=FP8), torch.empty(N), x_scale=torch.empty(M, 1) if mode == "w8a8"
+                         else None, h=torch.empty(1, M, r), B=_e(S, N, r),
+                         meta=build_lora_meta(torch.arange(M) % S, S), config=GemmConfig(**entry))
+
+
+def _gluon_launches() -> list:
+    """The Gluon main loop K2 dispatches to at many tokens (gemm_rs: bf16 x, no metadata), its launch arguments:
+    the trainer's forward (with LoRA, with and without bias, ranks 64 and 16), the dx GEMM, the base GEMM."""
+    rec = []
+    from rlfp8.kernels import gemm_rs
     T = 8192
     for K, N in ((4096, 6144), (12288, 4096)):
         q, sw = _e(N, K, dtype=FP8), torch.empty(N)
         for r, bias in ((64, False), (16, True)):
-            rec.append(lora_gemm_rs.launch_args(_e(T, K), q, sw, torch.empty(1, T, r), _e(1, N, r),
-                                                _e(N) if bias else None, _e(T, N)))
-        rec.append(lora_gemm_rs.launch_args(_e(T, N), q.t(), None, torch.empty(1, T, 64), _e(64, K).t()[None],
-                                            None, _e(T, K)))
-        rec.append(lora_gemm_rs.launch_args(_e(T, K), q, sw, out=_e(T, N)))
+            rec.append(gemm_rs.launch_args(_e(T, K), q, sw, torch.empty(1, T, r), _e(1, N, r),
+                                           _e(N) if bias else None, _e(T, N)))
+        rec.append(gemm_rs.launch_args(_e(T, N), q.t(), None, torch.empty(1, T, 64), _e(64, K).t()[None],
+                                       None, _e(T, K)))
+        rec.append(gemm_rs.launch_args(_e(T, K), q, sw, out=_e(T, N)))
+    return rec
+
+
+def _distinct(rec: list) -> list:
+    """One launch per (kernel, constexprs and options)."""
     seen, out = set(), []
     for kern, grid, args, kw in rec:
         key = (kern.fn.__name__, tuple(sorted((k, str(v)) for k, v in kw.items())))

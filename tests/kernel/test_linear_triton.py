@@ -4,23 +4,15 @@ import pytest
 import torch
 
 from rlfp8.kernels import dispatch, fp8
-from rlfp8.kernels.linear import LoRALinearRef, dy_prep_ref, lora_linear
+from rlfp8.kernels.linear import lora_linear
+from rlfp8.kernels.linear_ref import LoRALinearRef, dy_prep_ref
 from rlfp8.kernels.linear_triton import dy_prep_triton, lora_linear_triton
-from rlfp8.kernels.lora_gemm import fp8_lora_linear
 from rlfp8.kernels.metadata import build_lora_meta
+from rlfp8.kernels.projection import fp8_lora_linear
 from tests.conftest import rel_err
+from tests.oracles import lora_linear_fp64
 
 
-def _fp64_grads(x, q, sw, A, B, s, bias, dy):
-    W64 = q.double() * sw.double()[:, None]
-    x64 = x.detach().double().requires_grad_()
-    A64 = A.detach().double().requires_grad_()
-    B64 = B.detach().double().requires_grad_()
-    Ac = A64 + (A.detach().to(x.dtype).double() - A64).detach()          # the contract's operand roundings
-    Bc = s * B64 + ((B.detach() * s).to(x.dtype).double() - s * B64).detach()
-    y64 = x64 @ W64.t() + (x64 @ Ac.t()) @ Bc.t() + (0 if bias is None else bias.double())
-    y64.backward(dy.double())
-    return y64, x64.grad, A64.grad, B64.grad
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -39,7 +31,7 @@ def test_forward_backward_vs_reference_and_fp64(with_bias, device):
     yr = LoRALinearRef.apply(x, q, sw, A, B, s, bias)
     yr.backward(dy)
     ref = [yr.detach(), x.grad, A.grad, B.grad]
-    ref64 = _fp64_grads(x, q, sw, A, B, s, bias, dy)
+    ref64 = lora_linear_fp64(x, q, sw, A, B, s, bias, dy)
     for name, a, b, c in zip(("y", "dx", "dA", "dB"), got, ref, ref64):
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert rel_err(a, c) < 1e-2, name                     # bf16 operands

@@ -6,11 +6,15 @@ import pytest
 import torch
 
 from rlfp8.kernels import dispatch, fp8
-from rlfp8.kernels.lora_gemm import (GemmConfig, fp8_lora_linear, gemm_config, lora_gemm, lora_gemm_ref,
-                                     lora_gemm_triton)
-from rlfp8.kernels.lora_shrink import lora_shrink_ref
+from rlfp8.kernels.gemm import lora_gemm
+from rlfp8.kernels.gemm_configs import GemmConfig, gemm_config
+from rlfp8.kernels.gemm_ref import lora_gemm_ref
+from rlfp8.kernels.gemm_triton import lora_gemm_triton
 from rlfp8.kernels.metadata import build_lora_meta
+from rlfp8.kernels.projection import fp8_lora_linear
+from rlfp8.kernels.shrink_ref import lora_shrink_ref
 from tests.conftest import rel_err
+from tests.oracles import gemm_fp64
 
 SMALL = GemmConfig(64, 16, 64, 1, 2, 4, 2)
 SPLIT = GemmConfig(64, 32, 32, 3, 1, 4, 2)
@@ -36,22 +40,7 @@ def _problem(M, K, widths, S, r, device, mode="w8a16", none_frac=0.3):
 
 
 def _fp64(p, g=None, bias=None):
-    x, q, sw, xs, B, slots, h = p["x"], p["q"], p["sw"], p["xs"], p["B"], p["slots"], p["h"]
-    acc = x.double() @ q.double().t() * sw.double()[None, :]
-    if xs is not None:
-        acc = acc * xs.double()
-    offs = [0]
-    for b in B:
-        offs.append(offs[-1] + b.shape[1])
-    for s in set(slots.tolist()) - {-1}:
-        rows = slots == s
-        for l, b in enumerate(B):
-            acc[rows, offs[l]:offs[l + 1]] += h[l, rows].double() @ b[s].double().t()
-        if g is not None:
-            acc[rows] *= g[s].double()
-    if bias is not None:
-        acc += bias.double()
-    return acc
+    return gemm_fp64(p["x"], p["q"], p["sw"], x_scale=p["xs"], h=p["h"], B=p["B"], slots=p["slots"], g=g, bias=bias)
 
 
 @pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
@@ -206,14 +195,14 @@ def test_tma_transposed_codes_same_bits(swap, device):
 def test_epilogue_variants_give_the_same_bits(mode, device, monkeypatch):
     """The multi-adapter epilogue (h loaded once per slice, next B prefetched) and the one-adapter one
     (per-slot masked loads) compute the same MMAs on the same operands."""
-    from rlfp8.kernels import lora_gemm as lg
+    from rlfp8.kernels import gemm_triton
     p = _problem(40, 64, [64, 32], 6, 16, device, mode)
     g = torch.rand(6, 96, device=device) + 0.5
     kw = dict(x_scale=p["xs"], h=p["h"], B=p["B"], meta=p["meta"], g=g, out_dtype=torch.float32, config=SPLIT)
     assert p["meta"].num_active > 2                                   # the default picks the pipelined variant
     outs = []
     for pipe in (True, False):
-        monkeypatch.setattr(lg, "_PIPE_SLOTS_OVERRIDE", pipe)
+        monkeypatch.setattr(gemm_triton, "_PIPE_SLOTS_OVERRIDE", pipe)
         outs.append(lora_gemm_triton(p["x"], p["q"], p["sw"], **kw))
     assert torch.equal(outs[0], outs[1])
     assert rel_err(outs[0], _fp64(p, g)) < 1e-5
@@ -245,10 +234,10 @@ def test_split_counters_grow_and_keep_the_replaced_buffer_alive():
 
 
 def test_explore_k2_decode_edits_still_apply():
-    """bench/explore_k2_decode.py measures copies of this kernel with one textual edit each; every edit must
+    """bench/lab/explore_k2_decode.py measures copies of this kernel with one textual edit each; every edit must
     still apply to the current source (the script refuses to run otherwise) and give valid Python."""
     import ast
-    from bench.explore_k2_decode import ARMS, variant_source
+    from bench.lab.explore_k2_decode import ARMS, variant_source
     for arm in ARMS + ("timed",):
         ast.parse(variant_source(arm))
 
@@ -265,8 +254,7 @@ def test_split_k_protocol_choice(split, block_m, interpreting, dist, monkeypatch
     distributed one needs a power-of-2 split, >= 16 tokens per program and a GPU; it takes its own never-reset
     counter buffer per split, the last-program protocol the shared one it resets."""
     from rlfp8.kernels import _triton_utils as tu
-    from rlfp8.kernels import lora_gemm as lg
-    monkeypatch.setattr(lg.dispatch, "triton_interpreting", lambda: interpreting)
+    monkeypatch.setattr(dispatch, "triton_interpreting", lambda: interpreting)
     M, N, K = 64, 256, 1024
     x = torch.zeros(M, K, dtype=torch.bfloat16)
     q = torch.zeros(N, K, dtype=fp8.FP8_DTYPE)

@@ -4,9 +4,12 @@ import torch
 
 from rlfp8.kernels import _triton_utils as tu
 from rlfp8.kernels import dispatch, fp8
-from rlfp8.kernels.lora_shrink import ShrinkConfig, lora_shrink, lora_shrink_ref, lora_shrink_triton
 from rlfp8.kernels.metadata import build_lora_meta
+from rlfp8.kernels.shrink import lora_shrink
+from rlfp8.kernels.shrink_ref import lora_shrink_ref
+from rlfp8.kernels.shrink_triton import ShrinkConfig, lora_shrink_triton
 from tests.conftest import rel_err
+from tests.oracles import shrink_fp64
 
 SENTINEL = 7.25
 
@@ -20,13 +23,6 @@ def _case(M, K, S, r, L, device, none_frac=0.25):
     return x, A, slots
 
 
-def _fp64_h(x, A, slots):
-    h = torch.zeros(len(A), x.shape[0], A[0].shape[1], dtype=torch.float64)
-    for t, s in enumerate(slots.tolist()):
-        if s >= 0:
-            for l, a in enumerate(A):
-                h[l, t] = a[s].double() @ x[t].double()
-    return h
 
 
 @pytest.mark.parametrize("cfg", [None, ShrinkConfig(16, 32, 3), ShrinkConfig(32, 64, 1)],
@@ -38,7 +34,7 @@ def test_multi_adapter_slices_quant(cfg, quant, device):
     meta = build_lora_meta(slots, S)
     out = torch.full((L, M, r), SENTINEL, device=device)
     res = lora_shrink_triton(x, A, meta, quant=quant, out=out, config=cfg)
-    ref64 = _fp64_h(x.cpu(), [a.cpu() for a in A], slots.cpu())
+    ref64 = shrink_fp64(x.cpu(), [a.cpu() for a in A], slots.cpu())
     has = slots >= 0
     assert res.h is out
     assert torch.all(res.h[:, ~has] == SENTINEL)             # rows without adapter untouched
@@ -115,7 +111,7 @@ def test_fused_quant_two_pass_rows_many_segments(quant, device):
     qr, sr = fp8.quantize_activation_ref(x, quant)
     assert torch.equal(res.x_q.view(torch.uint8), qr.view(torch.uint8)) and torch.equal(res.x_scale, sr)
     has = slots >= 0
-    ref64 = _fp64_h(x.cpu(), [a.cpu() for a in A], slots.cpu())
+    ref64 = shrink_fp64(x.cpu(), [a.cpu() for a in A], slots.cpu())
     assert rel_err(res.h[:, has], ref64[:, has.cpu()]) < 1e-5
 
 

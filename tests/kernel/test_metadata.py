@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from rlfp8.kernels.metadata import LoRAMeta, build_lora_meta
+from rlfp8.kernels.metadata import build_lora_meta
+from rlfp8.rollout.vllm_lora_meta import lora_meta_from_vllm
 
 
 def test_hand_example():
@@ -38,7 +39,7 @@ def test_same_as_vllm_and_views_without_copies():
         make = vmeta.LoRAKernelMeta.make
         vm = make(L, 64, "cpu") if len(inspect.signature(make).parameters) == 3 else make(L, 64, "cpu", None)
         vm.prepare_tensors(slots)
-        view = LoRAMeta.from_vllm(vm, T)
+        view = lora_meta_from_vllm(vm, T)
         for f in ("token_lora_mapping", "token_indices_sorted_by_lora_ids", "active_lora_ids",
                   "num_tokens_per_lora", "lora_token_start_loc", "no_lora_flag_cpu"):
             assert torch.equal(getattr(ours, f), getattr(view, f)), f

@@ -1,4 +1,4 @@
-"""The W8A16 e4m3 -> bf16 widening without F2F (lora_gemm._e4m3_to_bf16): the interpreter cannot run inline
+"""The W8A16 e4m3 -> bf16 widening without F2F (widen._e4m3_to_bf16): the interpreter cannot run inline
 PTX, so its arithmetic is emulated here for every byte, step by step as the asm does it; the sm_90a compile
 test checks that the GPU kernels contain it and no F2F in their MMA loops, the GPU tests compare it with
 Triton's own cast on the H200."""
@@ -7,7 +7,7 @@ import re
 
 import torch
 
-from rlfp8.kernels import lora_gemm
+from rlfp8.kernels import widen
 
 
 def _emulate(codes_u8: torch.Tensor) -> torch.Tensor:
@@ -35,7 +35,7 @@ def test_bit_trick_is_exact_for_every_finite_code():
 
 
 def test_asm_text_matches_the_emulated_steps():
-    fn = lora_gemm._e4m3_to_bf16
+    fn = widen._e4m3_to_bf16
     src = inspect.getsource(getattr(fn, "fn", fn))             # JITFunction or the interpreter's wrapper
     steps = ["cvt.rn.f16x2.e4m3x2", "and.b32 t, f, 0x7FFF7FFF", "shr.b32 t, t, 3", "and.b32 f, f, 0x80008000",
              "or.b32 t, t, f", "mov.b32 k, 0x77807780", "mov.b32 z, 0x80008000", "fma.rn.bf16x2"]
@@ -92,8 +92,8 @@ def test_prmt_trick_is_exact_for_every_finite_code():
 
 
 def test_prmt_asm_text_matches_the_emulated_steps():
-    fn = lora_gemm._e4m3x4_to_bf16
-    src = inspect.getsource(getattr(fn, "fn", fn)) + lora_gemm.E4M3X4_TO_BF16_PTX.value   # the asm text it passes
+    fn = widen._e4m3x4_to_bf16
+    src = inspect.getsource(getattr(fn, "fn", fn)) + widen.E4M3X4_TO_BF16_PTX.value   # the asm text it passes
     steps = ["prmt.b32 lo, $2, 0, 0x9180", "prmt.b32 hi, $2, 0, 0xB3A2", "shl.b32 lo, lo, 4", "shl.b32 hi, hi, 4",
              "and.b32 lo, lo, 0x87F087F0", "and.b32 hi, hi, 0x87F087F0", "mov.b32 k, 0x7B807B80",
              "mul.rn.bf16x2 $0, lo, k", "mul.rn.bf16x2 $1, hi, k"]
@@ -106,8 +106,8 @@ def test_prmt_asm_text_matches_the_emulated_steps():
 def test_prmt_pair_variant_is_the_same_arithmetic():
     """_e4m3x2_to_bf16 (two codes per call, swap_ab loop) runs the low-pair steps of _e4m3x4_to_bf16; its
     input register holds the two codes in bytes 0 and 1 (bytes 2 and 3 are never read by selector 0x9180)."""
-    fn = lora_gemm._e4m3x2_to_bf16
-    src = inspect.getsource(getattr(fn, "fn", fn)) + lora_gemm.E4M3X2_TO_BF16_PTX.value
+    fn = widen._e4m3x2_to_bf16
+    src = inspect.getsource(getattr(fn, "fn", fn)) + widen.E4M3X2_TO_BF16_PTX.value
     steps = ["prmt.b32 t, $1, 0, 0x9180", "shl.b32 t, t, 4", "and.b32 t, t, 0x87F087F0", "mov.b32 k, 0x7B807B80",
              "mul.rn.bf16x2 $0, t, k"]
     pos = [src.find(s) for s in steps]

@@ -3,14 +3,10 @@ import pytest
 import torch
 
 from rlfp8.kernels import fp8
-from rlfp8.kernels.linear import LoRALinearRef, lora_linear
+from rlfp8.kernels.linear import lora_linear
+from rlfp8.kernels.linear_ref import LoRALinearRef
 from tests.conftest import rel_err
-
-
-def _fp64_quant_rows(w64):
-    amax = w64.abs().amax(dim=1)
-    scale = torch.clamp((amax / 448.0).float(), min=1.0 / (448 * 512))
-    return scale
+from tests.oracles import quant_codes_fp64, quant_scale_fp64
 
 
 def test_weight_quantization_contract():
@@ -19,7 +15,7 @@ def test_weight_quantization_contract():
     w[5, 7] = 1e4                                                # one large outlier
     q, s = fp8.quantize_weight_ref(w)
     assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape and s.dtype == torch.float32 and s.shape == (96,)
-    assert torch.equal(s, _fp64_quant_rows(w.double()))
+    assert torch.equal(s, quant_scale_fp64(w))
     assert s[3].item() == fp8.MIN_SCALE and torch.all(q[3].float() == 0)
     # Codes are the round-to-nearest-even e4m3 values of w / s within +-448 (no NaN, saturated max).
     qf = q.float()
@@ -35,8 +31,7 @@ def test_activation_quantization_div_vs_recip():
     qd, sd = fp8.quantize_activation_ref(x, "div")
     qr, sr = fp8.quantize_activation_ref(x, "recip")
     assert torch.equal(sd, sr) and sd.shape == (64, 1)
-    ref = torch.clamp(x.double() / sd.double(), -448, 448)
-    assert torch.equal(qd.float(), ref.float().to(torch.float8_e4m3fn).float())
+    assert torch.equal(qd.float(), quant_codes_fp64(x, sd).float())
     # The two roundings agree except on rare ties shifted by the reciprocal's rounding.
     assert (qd.float() != qr.float()).float().mean() < 0.01
     with pytest.raises(ValueError, match="allowed values"):
@@ -78,3 +73,27 @@ def test_lora_linear_dispatch_records_path_and_rejects_dense():
     assert dispatch.report() == {"lora_linear": {"torch": 1}}
     with pytest.raises(TypeError, match="dense_lora_linear"):
         lora_linear(torch.randn(3, 32), torch.randn(16, 32), None, None, None, 1.0)
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+def test_lora_gemm_reference_vs_fp64(mode):
+    """K2's torch reference (two output slices, several adapters and tokens without one, DoRA g, bias)
+    against the shared fp64 oracle."""
+    from rlfp8.kernels.gemm_ref import lora_gemm_ref
+    from rlfp8.kernels.metadata import build_lora_meta
+    from tests.oracles import gemm_fp64, shrink_fp64
+    M, K, widths, S, r = 29, 64, [48, 16], 3, 8
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    q, sw = fp8.quantize_weight_ref(torch.randn(sum(widths), K) * 0.05)
+    A = [torch.randn(S, r, K, dtype=torch.bfloat16) * 0.1 for _ in widths]
+    B = [torch.randn(S, n, r, dtype=torch.bfloat16) * 0.1 for n in widths]
+    slots = torch.randint(-1, S, (M,))
+    slots[0] = -1
+    g, bias = torch.rand(S, sum(widths)) + 0.5, torch.randn(sum(widths), dtype=torch.bfloat16)
+    h = shrink_fp64(x, A, slots).float()
+    xs = None
+    if mode == "w8a8":
+        x, xs = fp8.quantize_activation_ref(x)
+    y = lora_gemm_ref(x, q, sw, x_scale=xs, h=h, B=B, meta=build_lora_meta(slots, S), g=g, bias=bias,
+                      out_dtype=torch.float32)
+    assert rel_err(y, gemm_fp64(x, q, sw, x_scale=xs, h=h, B=B, slots=slots, g=g, bias=bias)) < 1e-5

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -28,7 +28,7 @@ import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from bench.kernels import Timer  # noqa: E402
-from rlfp8.kernels.lora_gemm import lora_gemm_triton  # noqa: E402
+from rlfp8.kernels.gemm_triton import lora_gemm_triton  # noqa: E402
 
 NUM_SMS = 132
 

@@ -7,12 +7,11 @@ forward and dx GEMMs (8k-token steps) and long prefills without metadata.
 The same arithmetic, instruction for instruction, as K2's swap-AB loop with its large-token config (wgmma
 m64 n256 k16, A = the widened weight rows, B = the x tile, k16 chunks in k order, fp32 accumulation; then
 the scale, the two 16-bit LoRA MMAs on h = hi + lo, bias, one rounding): the results are bit-identical to
-lora_gemm's Triton kernel (checked on the H200 for every training shape, tests/gpu), so the matched
+K2's Triton kernel (gemm_triton; checked on the GPU for every training shape, tests/gpu), so the matched
 property holds whichever of the two runs on either side.
 
 Why a second kernel: Triton's pipeliner runs this loop with a CTA-wide barrier per k-step, pointer x loads
-and one code stream for both warpgroups, so the widening and the wgmma do not overlap (1.25-1.5x cuBLAS at
-8k tokens, bench/results). Here (CUTLASS's "RS" warp-specialized mainloop):
+and one code stream for both warpgroups, so the widening and the wgmma do not overlap. Here (CUTLASS's "RS" warp-specialized mainloop):
   * partitions: one TMA warp loads the x tile [BM tokens, BK] and the e4m3 tile [2·64 rows, BK] of step i
     into ring slot i % S (one `ready` barrier per slot); two MMA partitions, one warpgroup each, own 64
     weight rows. A warpgroup loads its e4m3 rows straight from the slot into wgmma's register-A fragment
@@ -29,13 +28,11 @@ and one code stream for both warpgroups, so the widening and the wgmma do not ov
     B·h_hiᵀ then B·h_loᵀ with both operands in shared memory (a register-sourced B tile there makes ptxas
     serialize every wgmma of the kernel, C7512); bias; the output tile goes through shared memory so that
     each thread stores 16 contiguous bytes.
-Numbers (bench/results/explore_gluon_rs_pkg_h200.json, base GEMM at 8192 tokens on the H200): 1.05-1.11x
-cuBLAS bf16 forward, 1.12-1.24x for the transposed dx read (1-byte LDS per code), against 1.2-1.5x for the
-Triton loop; with them the training linear's forward+backward is 0.96-1.03x PEFT's (kernels_h200.json).
+Its measured speed against cuBLAS and the Triton loop: bench/README.md, "K2's Gluon main loop".
 
 Limits (the caller, lora_gemm_triton, routes everything else to the Triton kernel and records which ran):
 bf16 x, one adapter without metadata (the trainer; no gather, no DoRA g), rank <= 64, K % 128 == 0,
-N % 128 == 0, sm_90, more than 512 tokens (below, decode-size variants were slower than the Triton kernel).
+N % 128 == 0, sm_90, more than 512 tokens (below, the Triton kernel is faster: bench/README.md).
 Gluon kernels do not run under TRITON_INTERPRET: the CPU tests compile this one for sm_90a (ptxas) and check
 the protocol; the numerics are GPU tests against the reference and against K2.
 """
@@ -50,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ._triton_utils import launch
-from .lora_gemm import E4M3X2_TO_BF16_PTX
+from .widen import E4M3X2_TO_BF16_PTX
 
 OP = "lora_gemm"
 BM, BN, BK, STAGES, GROUP_M = 256, 128, 64, 4, 8     # tokens, weight rows (2 warpgroups x 64), k-step, ring
@@ -94,7 +91,7 @@ def _capability(device: torch.device) -> tuple[int, int]:
 @gluon.jit
 def _e4m3x2_to_bf16(codes):
     """Exact e4m3 -> bf16 on two codes per 32-bit register (the A fragment's k-pairs): byte and sign spread
-    (PRMT), exponent/mantissa moved into bf16's fields, times 2^120 (bias 127 - 7); lora_gemm._e4m3x2_to_bf16."""
+    (PRMT), exponent/mantissa moved into bf16's fields, times 2^120 (bias 127 - 7); widen._e4m3x2_to_bf16."""
     return gl.inline_asm_elementwise(
         asm=E4M3X2_TO_BF16_PTX,
         constraints="=r,r", args=[codes.to(gl.uint8, bitcast=True)], dtype=gl.bfloat16, is_pure=True, pack=2)
@@ -189,7 +186,7 @@ def _mma(rings, bars, offs, out_args, lora_args, WG: gl.constexpr, TRANS_Q: gl.c
         mbarrier.arrive(consumed.index(i % S))
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
-    # ---- epilogue (same operations in the same order as lora_gemm's kernel: identical bits)
+    # ---- epilogue (same operations in the same order as gemm_triton's kernel: identical bits)
     rows = off_w + WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, layout))      # output columns [64]
     if HAS_SCALE:
         acc = acc * gl.load(sw_ptr + rows)[:, None]
@@ -212,7 +209,7 @@ def _mma(rings, bars, offs, out_args, lora_args, WG: gl.constexpr, TRANS_Q: gl.c
             ok = (offs_ht < M)[:, None] & (offs_hr < R)[None, :]
             hv = gl.load(h_ptr + offs_ht[:, None].to(gl.int64) * stride_hm + offs_hr[None, :], mask=ok, other=0.0)
             h_hi = hv.to(gl.bfloat16)
-            # bf16 -> fp32 as a 16-bit shift (exact), as lora_gemm._lora_mma does
+            # bf16 -> fp32 as a 16-bit shift (exact), as gemm_triton._lora_mma does
             hi32 = (h_hi.to(gl.uint16, bitcast=True).to(gl.uint32) << 16).to(gl.float32, bitcast=True)
             x_ring.index(0).slice(0, BR, dim=1).slice(WG * HALF + p * PIECE, PIECE).store(h_hi)
             x_ring.index(1).slice(0, BR, dim=1).slice(WG * HALF + p * PIECE, PIECE).store(

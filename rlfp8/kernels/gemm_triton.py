@@ -17,7 +17,7 @@ Kernel strategy (Hopper):
     them; dispatch records "lora_gemm.mainloop" = gluon_rs | triton. An explicit `config` keeps this kernel.
   * W8A16 swap_ab: each k-step's wgmmas retire before the next widening (SYNC_A): their register A operand is
     read asynchronously, and keeping them in flight let ptxas hand their registers to the next tile (garbage
-    tiles on the H200, bench/stress_determinism.py).
+    tiles on the H200, bench/lab/stress_determinism.py).
   * swap-AB: the program computes the transposed tile accᵀ [BLOCK_N, BLOCK_M] = W_tile · x_tileᵀ, so the
     weight rows fill the 64-row wgmma M side even for a handful of tokens (BLOCK_M = 16 at decode), and in
     W8A16 the widened weight tile is the register-sourced A operand of wgmma (no round trip through shared
@@ -27,8 +27,8 @@ Kernel strategy (Hopper):
     the MMA's M side, the (widened) weight tile as the shared-memory B operand, transposed once before the
     epilogue. The weight tile then reaches registers 16 bytes per thread (the swap_ab register layout reads
     2 bytes per load), so the four-codes-per-register widening (_e4m3x4_to_bf16) needs no packing; below
-    64 tokens Triton runs it on mma.sync. On the H200 it wins W8A16 at decode sizes (<= 16 tokens); with
-    64+ tokens Triton waits for each wgmma before refilling the widened tile, and swap_ab wins.
+    64 tokens Triton runs it on mma.sync. It can win W8A16 at decode sizes; with 64+ tokens Triton waits for
+    each wgmma before refilling the widened tile, and swap_ab wins (bench/README.md).
     The tuner picks per (mode, bucket, K, N class); both orientations give the matched property, since the
     engine and the trainer take the same config for the same T.
   * split-K for small T: SPLIT_K programs share a tile; each writes its fp32 partial to a workspace and
@@ -38,9 +38,8 @@ Kernel strategy (Hopper):
     in the interpreter, which runs programs one after another) the last program to arrive sums the whole
     tile (last_program; its counter reset afterwards), the sum unrolled while the partials fit in ~64
     registers per thread. Same additions per element either way: deterministic, identical bits, the
-    epilogue sees the full sum before the single rounding. At 64 tokens the distributed reduction takes the
-    W8A16 qkv GEMM from 20.6 to 18.5 us on the H200 (bench/results/k2_ab_split_k_distributed_h200.json):
-    the tile's 64 KB of partials are reloaded by four SMs instead of one.
+    epilogue sees the full sum before the single rounding. The distributed reduction exists because the
+    tile's partials are then reloaded by SPLIT_K SMs instead of one (measured: bench/README.md).
   * rows: with metadata, a tile's rows come from vLLM's token_indices_sorted_by_lora_ids (adapter-sorted), so
     a tile touches few adapters; the epilogue loops over the distinct slots of its rows (ascending), each
     iteration one small dot B_slot_tile [BLOCK_N, r] · h_rowsᵀ [r, BLOCK_M] into the fp32 accumulator
@@ -48,12 +47,11 @@ Kernel strategy (Hopper):
     Three variants with the same arithmetic: no metadata (the trainer: one slot, no loop); one adapter
     (per-slot masked loads, fewest registers); more than one adapter (PIPE_SLOTS: h loaded once per slice,
     the next slot's B tile prefetched, so a tile with 16-32 slots waits for one memory round trip instead of
-    two per slot; in the first H200 run the LoRA part of a W8A16 layer grew from 50 us with 1 adapter to
-    350 us with 32 at T = 64, about 1-2 us per slot and tile).
+    two per slot).
   * the wait point for h is explicit: with USE_PDL a `gdc_wait()` sits right before the epilogue reads h
     (before the main loop in W8A8, whose x_q also comes from K1), so a later programmatic-dependent launch
     can overlap K1 with K2's main loop. The interpreter cannot run gdc_*, hence the constexpr guard.
-  * configs per token bucket (gemm_config); a tuned table (rlfp8/kernels/tuned/<gpu>.json, written by
+  * configs per token bucket (gemm_configs); a tuned table (rlfp8/kernels/tuned/<gpu>.json, written by
     bench/kernels.py --tune) overrides the heuristics. Configs are keyed by (mode, token bucket, K, N class)
     where the N class only separates N <= 8192 from wider weights, so the q/k/v row views of a fused qkv
     (and o_proj) get the same split as the fused call: a row's result does not depend on the view.
@@ -63,21 +61,18 @@ property (engine W8A16 call and trainer forward bit-identical on the same rows) 
 """
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import asdict, dataclass
-from pathlib import Path
-
 import torch
 import triton
 import triton.language as tl
 
 from . import dispatch
 from ._triton_utils import (cdiv, check_pdl, check_tensor, launch, next_pow2, require_triton_device,
-                            split_counters, stacked_view)
-from .fp8 import ACT_ROUNDING, FP8_DTYPE, quantize_activation
-from .lora_shrink import ShrinkOut, lora_shrink
+                            split_counters)
+from .gemm_configs import M_BUCKETS, WIDENINGS, GemmConfig, gemm_config, m_bucket
+from .knobs import knobs
+from .gemm_ref import check_lora_gemm_args
 from .metadata import LoRAMeta
+from .widen import _e4m3_to_bf16, _e4m3x2_to_bf16, _e4m3x4_to_bf16, _keep
 
 OP = "lora_gemm"
 # How the epilogue multiplies h (fp32) by B (16-bit): "bf16x2" (default) splits h = hi + lo into two
@@ -86,9 +81,6 @@ OP = "lora_gemm"
 # tl.dot's fp32 modes (ieee = FMA, exact fp32 products). The matched property needs engine and trainer to
 # use the same mode: both take this default.
 LORA_PRECISIONS = ("bf16x2", "bf16", "tf32x3", "tf32", "ieee")
-# RLFP8_FP8_PRECISE_ACC=<k>: promote the FP8 MMA accumulator to fp32 every k reduction elements (slower,
-# DeepSeek-V3 style); unset = Triton's sm_90 default (fast accumulation, like vLLM's CUTLASS FastAccum).
-FP8_PRECISE_ACC = int(os.environ["RLFP8_FP8_PRECISE_ACC"]) if os.environ.get("RLFP8_FP8_PRECISE_ACC") else None
 
 
 @triton.jit
@@ -110,218 +102,8 @@ def _lora_mma(acc, bt, hT, LORA_PREC: tl.constexpr, LORA_DT: tl.constexpr):
     return acc
 
 
-# How W8A16 widens e4m3 weight tiles to bf16 (GemmConfig.widen, per config; the tuner may pick any):
-# "bits" (_e4m3_to_bf16, inline PTX, two codes per call), "prmt" (byte-permute trick: _e4m3x4_to_bf16, four
-# codes per call, in the tokens-on-M orientation; _e4m3x2_to_bf16, two per call, in the swap_ab one) or
-# "cvt" (Triton's .to(tl.bfloat16)). All are exact, so they give the same bits; the interpreter always takes
-# "cvt" (it cannot run inline PTX). RLFP8_W8A16_WIDEN=cvt forces "cvt" everywhere.
-WIDENINGS = ("bits", "prmt", "cvt")
-W8A16_WIDEN = os.environ.get("RLFP8_W8A16_WIDEN", "bits")
-if W8A16_WIDEN not in ("bits", "cvt"):
-    raise ValueError(f"RLFP8_W8A16_WIDEN={W8A16_WIDEN!r}: allowed values are 'bits', 'cvt'")
 _PIPE_SLOTS_OVERRIDE: bool | None = None     # tests only: force the multi-adapter epilogue variant on or off
 _BIG = tl.constexpr(1 << 30)    # "no more slots" sentinel (kernels may only read constexpr globals)
-
-
-@triton.jit
-def _e4m3_to_bf16(w):
-    """Exact e4m3 -> bf16 widening without the F2F conversion pipe (compiled GPU code only: inline PTX).
-
-    Triton's `w.to(tl.bfloat16)` goes e4m3x2 -> f16x2 (one F2FP per pair) and then converts each f16 to bf16
-    with one F2F instruction, which sm_90 runs at 16 results/clk/SM: a 64x128 weight tile needs 8192 of them,
-    ~512 clk per 8 KiB of weights per SM, about the HBM rate (the SASS of the W8A16 main loop at M = 16:
-    64 F2F per thread per iteration against 8 HGMMA). That bound W8A16 at small M (1.2-1.5x our W8A8).
-    Here, per pair of codes (one 16-bit register, pack=2, exactly as the tile comes out of shared memory in
-    wgmma's register-operand layout): e4m3x2 -> f16x2 (one F2FP, exact); bf16 bits = sign | (f16 magnitude
-    >> 3), which is the same value times 2^-112 as a normal bf16 (every e4m3 value is a normal f16 or zero,
-    its f16 mantissa has 3 nonzero bits, so nothing is shifted out); one bf16x2 FMA by 2^112 (+ -0.0)
-    restores it exactly. Two LOP3, one SHF, one HMUL2 per pair: no F2F. Bit-identical to w.to(tl.bfloat16)
-    for all 254 finite codes (tests/kernel/test_widen.py emulates it for every byte; the GPU tests compare
-    both paths). The NaN codes 0x7f/0xff would come out as +-122880 instead of NaN; the quantizer never
-    produces them (it clamps to +-448)."""
-    return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b16 a, hi;
-        .reg .b32 f, t, k, z;
-        mov.b32 {a, hi}, $1;
-        cvt.rn.f16x2.e4m3x2 f, a;
-        and.b32 t, f, 0x7FFF7FFF;
-        shr.b32 t, t, 3;
-        and.b32 f, f, 0x80008000;
-        or.b32 t, t, f;
-        mov.b32 k, 0x77807780;
-        mov.b32 z, 0x80008000;
-        fma.rn.bf16x2 $0, t, k, z;
-        }
-        """,
-        constraints="=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=2)
-
-
-# The PRMT widenings' PTX (_e4m3x4_to_bf16: four codes per 32-bit register, two bf16x2 outputs;
-# _e4m3x2_to_bf16: two codes): also the text of lora_gemm_rs's and bench/explore_gluon_w8a16.py's Gluon copies.
-E4M3X4_TO_BF16_PTX = tl.constexpr("""
-        {
-        .reg .b32 lo, hi, k;
-        prmt.b32 lo, $2, 0, 0x9180;
-        prmt.b32 hi, $2, 0, 0xB3A2;
-        shl.b32 lo, lo, 4;
-        shl.b32 hi, hi, 4;
-        and.b32 lo, lo, 0x87F087F0;
-        and.b32 hi, hi, 0x87F087F0;
-        mov.b32 k, 0x7B807B80;
-        mul.rn.bf16x2 $0, lo, k;
-        mul.rn.bf16x2 $1, hi, k;
-        }
-""")
-E4M3X2_TO_BF16_PTX = tl.constexpr("""
-        {
-        .reg .b32 t, k;
-        prmt.b32 t, $1, 0, 0x9180;
-        shl.b32 t, t, 4;
-        and.b32 t, t, 0x87F087F0;
-        mov.b32 k, 0x7B807B80;
-        mul.rn.bf16x2 $0, t, k;
-        }
-""")
-
-
-@triton.jit
-def _e4m3x4_to_bf16(w):
-    """Exact e4m3 -> bf16 widening, four codes per 32-bit register (compiled GPU code only: inline PTX).
-
-    Meant for layouts where a thread holds 4+ consecutive codes (the non-swapped main loop loads the weight
-    tile 16 bytes per thread), so no packing is needed around the asm. Per pair of codes, no conversion
-    instruction at all: one PRMT places each code in the low byte of a 16-bit half and replicates its sign
-    bit over the high byte; a shift by 4 and one mask leave sign | eeeemmm << 4, which read as bf16 is the
-    code's value times 2^-120 (exponent bias 127 vs 7; e4m3 subnormals land on bf16 subnormals, exactly);
-    one bf16x2 multiply by 2^120 restores it exactly (bf16 arithmetic keeps subnormals). Four instructions
-    per pair (PRMT, SHL, LOP3, HMUL2) against five for _e4m3_to_bf16. Same bits as w.to(tl.bfloat16) for
-    all 254 finite codes (tests/kernel/test_widen.py emulates it per byte; the GPU tests compare the paths);
-    the NaN codes 0x7f/0xff come out as +-480."""
-    return tl.inline_asm_elementwise(
-        asm=E4M3X4_TO_BF16_PTX,
-        constraints="=r,=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
-
-
-@triton.jit
-def _keep(x):
-    """A zero-instruction use of x (tied in/out registers, GPU code only): an instruction that reads x, so
-    Triton must retire the wgmmas producing x before it."""
-    return tl.inline_asm_elementwise("", "=r,0", [x], dtype=x.dtype, is_pure=False, pack=1)
-
-
-@triton.jit
-def _e4m3x2_to_bf16(w):
-    """_e4m3x4_to_bf16's arithmetic on two codes per call (pack=2): for the swap_ab main loop, whose
-    register-operand layout gives each thread pairs of codes (one 16-bit load each). One PRMT (only bytes
-    0 and 1 are read), SHL, LOP3 and HMUL2 per pair, against five instructions for _e4m3_to_bf16."""
-    return tl.inline_asm_elementwise(
-        asm=E4M3X2_TO_BF16_PTX,
-        constraints="=r,r", args=[w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=2)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# configs
-@dataclass(frozen=True)
-class GemmConfig:
-    block_n: int          # weight rows per tile (wgmma M side, multiple of 64)
-    block_m: int          # tokens per tile (wgmma N side, >= 16)
-    block_k: int
-    split_k: int = 1
-    group_m: int = 8      # token tiles swept per weight tile (L2 reuse at large T)
-    num_warps: int = 4
-    num_stages: int = 4
-    w_tma: bool = False   # load the weight tiles with TMA (host TensorDescriptor) instead of cp.async
-    widen: str = "bits"   # W8A16 with bf16 x: "bits", "prmt" or "cvt" (see WIDENINGS); same results
-    swap_ab: bool = True  # weight rows on wgmma's M side (register-A widening) or tokens (weight tile via smem)
-    x_tma: bool = False   # load the x tiles with TMA too, where the rows are not gathered (no metadata or no
-                          # adapter); same MMAs, same bits. Gathered rows keep the pointer loads (dispatch
-                          # records "lora_gemm.x_loads"). With swap_ab the tile is transposed in shared memory;
-                          # its wrong results on the H200 were SYNC_A's register race, not the TMA load
-
-    def key(self) -> tuple:
-        return tuple(asdict(self).values())
-
-
-M_BUCKETS = (16, 32, 64, 128, 256, 512, 1 << 62)
-NUM_SMS_HINT = 132          # H100/H200; only shapes the split-K heuristic
-
-
-def m_bucket(M: int) -> int:
-    for b in M_BUCKETS:
-        if M <= b:
-            return b
-    return M_BUCKETS[-1]
-
-
-def n_class(N: int) -> str:
-    return "narrow" if N <= 8192 else "wide"
-
-
-def _heuristic(mode: str, M: int, N: int, K: int) -> GemmConfig:
-    fp8 = mode == "w8a8"
-    b = m_bucket(M)
-    if b <= 16:
-        bn, bm, bk, nw, ns = 64, 16, 256, 4, 5 if fp8 else 4
-    elif b <= 32:
-        bn, bm, bk, nw, ns = 64, 32, 256, 4, 4
-    elif b <= 64:
-        bn, bm, bk, nw, ns = 128, 64, 128, 4, 4
-    elif b <= 256:
-        bn, bm, bk, nw, ns = 128, 128, 128 if fp8 else 64, 8, 4
-    else:
-        bn, bm, bk, nw, ns = 128, 256, 128 if fp8 else 64, 8, 3
-    return GemmConfig(bn, bm, bk, _split(b, N, K, bn, bm, bk), 8, nw, ns)
-
-
-def _split(b: int, N: int, K: int, bn: int, bm: int, bk: int) -> int:
-    """split-K while the tile grid is below ~2 waves, capped so that the fp32 partials (written and read
-    once per split: 8·T·N bytes) stay under ~1/2 of the FP8 weight bytes (N·K). The N class replaces N so
-    q/k/v views, qkv and o_proj (all N <= 8192) get the same split (the matched property across views)."""
-    if b > 256:
-        return 1
-    n_eff = 4096 if n_class(N) == "narrow" else N
-    tiles = cdiv(n_eff, bn) * cdiv(b, bm)
-    return max(1, min(round(2 * NUM_SMS_HINT / tiles), K // (2 * bk), K // (16 * b), 8))
-
-
-_tuned: dict | None = None
-
-
-def tuned_table_path(device: torch.device | None = None) -> Path:
-    name = os.environ.get("RLFP8_TUNED_GPU")
-    if name is None:
-        name = torch.cuda.get_device_name(device) if torch.cuda.is_available() else "cpu"
-    slug = "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
-    return Path(__file__).parent / "tuned" / f"{slug}.json"
-
-
-def _tuned_table(device) -> dict:
-    global _tuned
-    if _tuned is None:
-        p = tuned_table_path(device)
-        _tuned = json.loads(p.read_text()).get("gemm", {}) if p.exists() else {}
-    return _tuned
-
-
-def reload_tuned_table() -> None:
-    global _tuned
-    _tuned = None
-
-
-def config_key(mode: str, M: int, N: int, K: int, transposed: bool = False) -> str:
-    """Tuned-table key; "T" marks the backward dx GEMM that reads the codes transposed (qᵀ [K, N])."""
-    return f"{mode}{'T' if transposed else ''}|{m_bucket(M)}|{K}|{n_class(N)}"
-
-
-def gemm_config(mode: str, M: int, N: int, K: int, device=None, transposed: bool = False) -> GemmConfig:
-    """The config the launcher uses: the tuned table's entry for (mode, bucket, K, N class), else heuristic."""
-    if device is not None and torch.device(device).type == "cuda":
-        entry = _tuned_table(device).get(config_key(mode, M, N, K, transposed))
-        if entry is not None:
-            return GemmConfig(**entry)
-    return _heuristic(mode, M, N, K)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -598,115 +380,15 @@ def _lora_gemm_kernel(
 
 # ----------------------------------------------------------------------------------------------------------
 # host side
-def _b_slices(B) -> list[torch.Tensor]:
-    return list(B) if isinstance(B, (list, tuple)) else [B]
-
-
 def _lora_dt(b_dtype):
     # the 16-bit type of the split-h MMAs: B's own type (exact), bf16 for fp32 B (tests)
     return tl.float16 if b_dtype == torch.float16 else tl.bfloat16
 
 
-def _mode_of(x: torch.Tensor) -> str:
-    return "w8a8" if x.dtype == FP8_DTYPE else "w8a16"
-
-
-def _check(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype):
-    M, K = x.shape if x.dim() == 2 else (None, None)
-    check_tensor(OP, "x", x, ndim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE))
-    check_tensor(OP, "q", q, ndim=2, dtypes=(FP8_DTYPE,), device=x.device)
-    N = q.shape[0]
-    if q.shape[1] != K:
-        raise ValueError(f"rlfp8.kernels.{OP}: q {tuple(q.shape)} must be [N, K] with K = x.shape[1] = {K}")
-    if w_scale is not None:
-        check_tensor(OP, "w_scale", w_scale, shape=(N,), dtypes=(torch.float32,), device=x.device)
-    mode = _mode_of(x)
-    if mode == "w8a8":
-        if x_scale is None:
-            raise ValueError(f"rlfp8.kernels.{OP}: FP8 x {tuple(x.shape)} (W8A8) needs x_scale [{M}, 1]")
-        if x_scale.numel() != M or x_scale.dtype != torch.float32:
-            raise ValueError(f"rlfp8.kernels.{OP}: x_scale must be fp32 [{M}, 1], got {x_scale.dtype} "
-                             f"{tuple(x_scale.shape)}")
-    elif x_scale is not None:
-        raise ValueError(f"rlfp8.kernels.{OP}: x_scale is only for FP8 x (W8A8); x is {x.dtype}")
-    slices = None
-    if h is not None or B is not None:
-        if h is None or B is None:
-            raise ValueError(f"rlfp8.kernels.{OP}: the LoRA epilogue needs both h and B")
-        slices = [stacked_view(OP, f"B[{i}]", b, None) for i, b in enumerate(_b_slices(B))]
-        if not 1 <= len(slices) <= 3:
-            raise ValueError(f"rlfp8.kernels.{OP}: 1 to 3 B slices are supported, got {len(slices)}")
-        r = slices[0].shape[2]
-        check_tensor(OP, "h", h, shape=(len(slices), M, r), dtypes=(torch.float32,), device=x.device)
-        for i, b in enumerate(slices):
-            check_tensor(OP, f"B[{i}]", b, dtypes=(torch.bfloat16, torch.float16, torch.float32), device=x.device)
-            if b.shape[0] != slices[0].shape[0] or b.shape[2] != r:
-                raise ValueError(f"rlfp8.kernels.{OP}: B slices must share slots and rank: B[0] "
-                                 f"{tuple(slices[0].shape)}, B[{i}] {tuple(b.shape)}")
-        if sum(b.shape[1] for b in slices) != N:
-            raise ValueError(f"rlfp8.kernels.{OP}: B slice widths {[b.shape[1] for b in slices]} must sum to "
-                             f"N = q.shape[0] = {N}")
-        if meta is not None:
-            meta.validate(OP, M)
-            if meta.max_loras > slices[0].shape[0]:
-                raise ValueError(f"rlfp8.kernels.{OP}: metadata has {meta.max_loras} slots but B has "
-                                 f"{slices[0].shape[0]} (shape {tuple(slices[0].shape)})")
-    if g is not None:
-        S = slices[0].shape[0] if slices else None
-        check_tensor(OP, "g", g, shape=(S, N), dtypes=(torch.float32,), device=x.device)
-        if slices is None:
-            raise ValueError(f"rlfp8.kernels.{OP}: DoRA g needs the LoRA epilogue (h, B)")
-    if bias is not None:
-        check_tensor(OP, "bias", bias, shape=(N,), dtypes=(torch.bfloat16, torch.float16, torch.float32),
-                     device=x.device)
-    if out_dtype not in (None, torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"rlfp8.kernels.{OP}: out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
-    return mode, slices
-
-
-def lora_gemm_ref(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAMeta | None = None, g=None,
-                  bias=None, out_dtype=None, **_ignored) -> torch.Tensor:
-    """Plain torch, fp32: acc = x·qᵀ; scale; + h·B_slotᵀ per slice and slot; · g; + bias; one cast."""
-    mode, slices = _check(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype)
-    M, K = x.shape
-    out_dtype = out_dtype or (torch.bfloat16 if mode == "w8a8" else x.dtype)
-    acc = x.float() @ q.float().t()                                                # [M, N]
-    if w_scale is not None:
-        acc = acc * (w_scale[None, :] * x_scale.reshape(M, 1)) if mode == "w8a8" else acc * w_scale[None, :]
-    elif mode == "w8a8":
-        acc = acc * x_scale.reshape(M, 1)
-    if slices is not None:
-        slots = (torch.zeros(M, dtype=torch.long, device=x.device) if meta is None
-                 else meta.token_lora_mapping.long())
-        offs = [0]
-        for b in slices:
-            offs.append(offs[-1] + b.shape[1])
-        for s in torch.unique(slots).tolist():
-            if s < 0:
-                continue
-            rows = (slots == s).nonzero().squeeze(1)
-            for i, b in enumerate(slices):
-                acc[rows, offs[i]:offs[i + 1]] += h[i, rows] @ b[s].float().t()
-            if g is not None:
-                acc[rows] *= g[s][None, :]
-    if bias is not None:
-        acc = acc + bias.float()[None, :]
-    return acc.to(out_dtype)
-
-
-# RLFP8_GEMM_RS=0: never the Gluon main loop (A/B timing, debugging); the dispatch records which one ran
-GEMM_RS = os.environ.get("RLFP8_GEMM_RS", "1") != "0"
-# RLFP8_K2_SYNC_A=0: let W8A16 swap_ab wgmmas stay in flight across k-steps (reproduces the race SYNC_A
-# prevents, bench/stress_determinism.py; never for real runs)
-SYNC_A = os.environ.get("RLFP8_K2_SYNC_A", "1") != "0"
-# RLFP8_K2_DIST_RED=0: split-K partials always reduced by the tile's last program (A/B timing; same bits)
-DIST_RED = os.environ.get("RLFP8_K2_DIST_RED", "1") != "0"
-
-
 def _rs_unsupported(x, q, slices, gather, g, lora_precision, use_pdl, out_dtype) -> str | None:
     """None when lora_gemm_rs can run this W8A16 call with K2's exact arithmetic, else the reason."""
-    if not GEMM_RS:
-        return "RLFP8_GEMM_RS=0"
+    if not knobs().gemm_rs:
+        return "kernel knob gemm_rs=false"
     if out_dtype != torch.bfloat16:          # its epilogue tile goes through shared memory sized for bf16
         return f"out dtype {out_dtype}"
     if lora_precision != "bf16x2" or use_pdl:
@@ -714,17 +396,14 @@ def _rs_unsupported(x, q, slices, gather, g, lora_precision, use_pdl, out_dtype)
     if slices is not None and (len(slices) != 1 or slices[0].shape[0] != 1 or slices[0].dtype == torch.float16):
         return "more than one B slice or slot, or fp16 B"
     try:
-        from . import lora_gemm_rs
+        from . import gemm_rs
     except ImportError as e:                    # Triton without Gluon
         return f"gluon unavailable ({e})"
-    return lora_gemm_rs.supported(x, q, None if slices is None else slices[0].shape[2], gather=bool(gather),
-                                  has_g=g is not None)
+    return gemm_rs.supported(x, q, None if slices is None else slices[0].shape[2], gather=bool(gather),
+                             has_g=g is not None)
 
 
-def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAMeta | None = None, g=None,
-                     bias=None, out_dtype=None, out=None, config: GemmConfig | None = None, gather=None,
-                     lora_precision: str = "bf16x2", use_pdl: bool = False) -> torch.Tensor:
-    mode, slices = _check(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype)
+def _check_launch(x, mode, lora_precision, use_pdl, q):
     if lora_precision not in LORA_PRECISIONS:
         raise ValueError(f"rlfp8.kernels.{OP}: lora_precision {lora_precision!r}: allowed {LORA_PRECISIONS}")
     if x.dtype == torch.float32:
@@ -732,57 +411,83 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
                         f"fp32 x {tuple(x.shape)}; use the torch backend")
     require_triton_device(OP, x, q)
     check_pdl(OP, use_pdl)
-    M, K = x.shape
-    N = q.shape[0]
-    dev = x.device
+
+
+def _output(x, mode, M, N, out_dtype, out):
     out_dtype = out_dtype or (torch.bfloat16 if mode == "w8a8" else x.dtype)
     if out is None:
-        out = torch.empty((M, N), dtype=out_dtype, device=dev)
-    else:
-        check_tensor(OP, "out", out, shape=(M, N), dtypes=(out_dtype,), device=dev)
-    if M == 0 or N == 0:
-        return out
-    if x.stride(1) != 1:
-        x = x.contiguous()
+        return torch.empty((M, N), dtype=out_dtype, device=x.device)
+    check_tensor(OP, "out", out, shape=(M, N), dtypes=(out_dtype,), device=x.device)
+    return out
+
+
+def _pick_config(config, mode, M, N, K, q, dev) -> GemmConfig:
     # a transposed view of the codes (the backward's qᵀ, strides (1, N)) has its own tuned entries
     cfg = config or gemm_config(mode, M, N, K, dev, transposed=q.stride(1) != 1 and q.stride(0) == 1)
     if cfg.block_m < 16 or cfg.block_n < 16 or cfg.block_k < 16:
         raise ValueError(f"rlfp8.kernels.{OP}: tile dims must be >= 16 (tl.dot), got {cfg}")
     if cfg.widen not in WIDENINGS:
         raise ValueError(f"rlfp8.kernels.{OP}: config widen must be one of {WIDENINGS}, got {cfg}")
-    has_lora = slices is not None and not (meta is not None and meta.no_lora)
-    gather = (meta is not None and has_lora) if gather is None else (gather and meta is not None)
-    if mode == "w8a16" and config is None and m_bucket(M) == M_BUCKETS[-1] and not dispatch.triton_interpreting():
-        # many tokens (the trainer's steps, long prefills): the Gluon warp-specialized main loop, same bits
-        why = _rs_unsupported(x, q, slices if has_lora else None, gather, g, lora_precision, use_pdl, out.dtype)
-        dispatch.record(f"{OP}.mainloop", "gluon_rs" if why is None else "triton")
-        if why is None:
-            from .lora_gemm_rs import lora_gemm_rs
-            return lora_gemm_rs(x, q, w_scale, h=h if has_lora else None, B=slices[0] if has_lora else None,
-                                bias=bias, out=out)
-    m_tiles, n_tiles = cdiv(M, cfg.block_m), cdiv(N, cfg.block_n)
-    dist_red = (DIST_RED and cfg.split_k in (2, 4, 8) and cfg.block_m // cfg.split_k >= 16
-                and not dispatch.triton_interpreting())
-    if cfg.split_k > 1:
-        dispatch.record(f"{OP}.split_k", "distributed" if dist_red else "last_program")
-        part = torch.empty((cfg.split_k, m_tiles * cfg.block_m, n_tiles * cfg.block_n), dtype=torch.float32,
-                           device=dev)
-        cnt = split_counters(f"{OP}.grow{cfg.split_k}" if dist_red else OP, m_tiles * n_tiles, dev)
-    else:
-        part = cnt = out
-    dummy = out
-    if has_lora:
-        L = len(slices)
-        if any(b.stride()[1:] != slices[0].stride()[1:] for b in slices):
-            slices = [b.contiguous() for b in slices]
-        widths = [b.shape[1] for b in slices]
-        ends = [sum(widths[:i + 1]) for i in range(L)] + [N] * (3 - L)
-        b_ptrs = slices + [slices[0]] * (3 - L)
-        r = slices[0].shape[2]
-        bst = [b.stride(0) for b in b_ptrs] + list(slices[0].stride()[1:])
-        hst = h.stride()
-    else:
-        L, ends, b_ptrs, r, bst, hst = 1, [N, N, N], [dummy] * 3, 0, (0, 0, 0, 0, 0), (0, 0, 0)
+    return cfg
+
+
+def _split_k_buffers(cfg, m_tiles, n_tiles, dist_red, out):
+    """(partials workspace, tile counters) for split-K; unused placeholders without it."""
+    if cfg.split_k == 1:
+        return out, out
+    dev = out.device
+    dispatch.record(f"{OP}.split_k", "distributed" if dist_red else "last_program")
+    part = torch.empty((cfg.split_k, m_tiles * cfg.block_m, n_tiles * cfg.block_n), dtype=torch.float32,
+                       device=dev)
+    return part, split_counters(f"{OP}.grow{cfg.split_k}" if dist_red else OP, m_tiles * n_tiles, dev)
+
+
+def _lora_args(slices, has_lora, h, N, dummy):
+    """(slices L, slice ends, B pointers, rank, B strides, h strides): the epilogue's LoRA arguments."""
+    if not has_lora:
+        return 1, [N, N, N], [dummy] * 3, 0, (0, 0, 0, 0, 0), (0, 0, 0)
+    L = len(slices)
+    if any(b.stride()[1:] != slices[0].stride()[1:] for b in slices):
+        slices = [b.contiguous() for b in slices]
+    widths = [b.shape[1] for b in slices]
+    ends = [sum(widths[:i + 1]) for i in range(L)] + [N] * (3 - L)
+    b_ptrs = slices + [slices[0]] * (3 - L)
+    bst = [b.stride(0) for b in b_ptrs] + list(slices[0].stride()[1:])
+    return L, ends, b_ptrs, slices[0].shape[2], bst, h.stride()
+
+
+def _w_operand(q, cfg):
+    """q itself, or a TMA descriptor (W_TMA 1: over q [N, K]; 2: over the stored codes of a transposed view)."""
+    if not cfg.w_tma:
+        return q, 0
+    # TMA needs a contiguous last dim with 16-byte aligned base and rows: the stored codes [N, K], or the
+    # backward's transposed view qᵀ of codes stored [K, N] (described as stored, transposed in the kernel)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    if q.stride(1) == 1 and q.stride(0) % 16 == 0 and q.data_ptr() % 16 == 0:
+        return TensorDescriptor.from_tensor(q, [cfg.block_n, cfg.block_k]), 1
+    if q.stride(0) == 1 and q.stride(1) % 16 == 0 and q.data_ptr() % 16 == 0:
+        return TensorDescriptor.from_tensor(q.t(), [cfg.block_k, cfg.block_n]), 2
+    raise ValueError(f"rlfp8.kernels.{OP}: config w_tma needs q (or its transpose) row-major with 16-byte "
+                     f"aligned rows, got q {tuple(q.shape)} strides {q.stride()}")
+
+
+def _x_operand(x, cfg, gather):
+    """x itself, or a TMA descriptor where the rows are not gathered (dispatch records which)."""
+    if not cfg.x_tma:
+        return x, False
+    x_arg, x_tma = x, False
+    if (not gather and x.stride(0) * x.element_size() % 16 == 0
+            and x.data_ptr() % 16 == 0):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        x_arg, x_tma = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]), True
+    dispatch.record(f"{OP}.x_loads", "tma" if x_tma else "pointer")
+    return x_arg, x_tma
+
+
+def _variant_flags(cfg, mode, x, meta, has_lora, dist_red) -> dict:
+    """The host-chosen kernel variants: slot pipeline, unrolled split-K sum, widening, SYNC_A, FP8_ACC."""
+    kn = knobs()
+    interpreting = dispatch.triton_interpreting()
     # the slot-pipelined epilogue pays off with several adapters per tile; at 256-token tiles it would spill
     pipe_slots = has_lora and meta is not None and meta.num_active > 2 and cfg.block_m <= 128
     if _PIPE_SLOTS_OVERRIDE is not None and has_lora and meta is not None:     # tests: both variants, same bits
@@ -791,31 +496,55 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     # in ~64 registers/thread
     red_unroll = (cfg.block_n * (cfg.block_m // cfg.split_k if dist_red else cfg.block_m) * (cfg.split_k - 1)
                   <= 64 * 32 * cfg.num_warps)
+    widen_asm = 0
+    if mode == "w8a16" and x.dtype == torch.bfloat16 and kn.w8a16_widen == "bits" and not interpreting:
+        widen_asm = {"bits": 1, "prmt": 2, "cvt": 0}[cfg.widen]
+    return dict(PIPE_SLOTS=pipe_slots, RED_UNROLL=red_unroll, WIDEN_ASM=widen_asm,
+                SYNC_A=kn.k2_sync_a and mode == "w8a16" and cfg.swap_ab and not interpreting,
+                FP8_ACC=None if kn.fp8_precise_acc is None else min(kn.fp8_precise_acc, cfg.block_k))
+
+
+def _gluon_mainloop(x, q, w_scale, h, B, slices, has_lora, gather, g, bias, lora_precision, use_pdl, out):
+    """Many tokens (the trainer's steps, long prefills): the Gluon warp-specialized main loop, same bits.
+    Returns its output, or None when it cannot take the call (dispatch records which ran)."""
+    why = _rs_unsupported(x, q, slices if has_lora else None, gather, g, lora_precision, use_pdl, out.dtype)
+    dispatch.record(f"{OP}.mainloop", "gluon_rs" if why is None else "triton")
+    if why is not None:
+        return None
+    from .gemm_rs import lora_gemm_rs
+    return lora_gemm_rs(x, q, w_scale, h=h if has_lora else None, B=slices[0] if has_lora else None,
+                        bias=bias, out=out)
+
+
+def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAMeta | None = None, g=None,
+                     bias=None, out_dtype=None, out=None, config: GemmConfig | None = None, gather=None,
+                     lora_precision: str = "bf16x2", use_pdl: bool = False) -> torch.Tensor:
+    mode, slices = check_lora_gemm_args(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype)
+    _check_launch(x, mode, lora_precision, use_pdl, q)
+    M, K = x.shape
+    N = q.shape[0]
+    out = _output(x, mode, M, N, out_dtype, out)
+    if M == 0 or N == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    cfg = _pick_config(config, mode, M, N, K, q, x.device)
+    has_lora = slices is not None and not (meta is not None and meta.no_lora)
+    gather = (meta is not None and has_lora) if gather is None else (gather and meta is not None)
+    if mode == "w8a16" and config is None and m_bucket(M) == M_BUCKETS[-1] and not dispatch.triton_interpreting():
+        y = _gluon_mainloop(x, q, w_scale, h, B, slices, has_lora, gather, g, bias, lora_precision, use_pdl, out)
+        if y is not None:
+            return y
+    m_tiles, n_tiles = cdiv(M, cfg.block_m), cdiv(N, cfg.block_n)
+    dist_red = (knobs().k2_dist_red and cfg.split_k in (2, 4, 8) and cfg.block_m // cfg.split_k >= 16
+                and not dispatch.triton_interpreting())
+    part, cnt = _split_k_buffers(cfg, m_tiles, n_tiles, dist_red, out)
+    dummy = out
+    L, ends, b_ptrs, r, bst, hst = _lora_args(slices, has_lora, h, N, dummy)
     slot_t = meta.token_lora_mapping if (has_lora and meta is not None) else dummy
     perm_t = meta.token_indices_sorted_by_lora_ids if gather else dummy
-    widen_asm = 0
-    if (mode == "w8a16" and x.dtype == torch.bfloat16 and W8A16_WIDEN == "bits"
-            and not dispatch.triton_interpreting()):
-        widen_asm = {"bits": 1, "prmt": 2, "cvt": 0}[cfg.widen]
-    w_arg, w_tma = q, 0
-    if cfg.w_tma:
-        # TMA needs a contiguous last dim with 16-byte aligned base and rows: the stored codes [N, K], or the
-        # backward's transposed view qᵀ of codes stored [K, N] (described as stored, transposed in the kernel)
-        from triton.tools.tensor_descriptor import TensorDescriptor
-        if q.stride(1) == 1 and q.stride(0) % 16 == 0 and q.data_ptr() % 16 == 0:
-            w_arg, w_tma = TensorDescriptor.from_tensor(q, [cfg.block_n, cfg.block_k]), 1
-        elif q.stride(0) == 1 and q.stride(1) % 16 == 0 and q.data_ptr() % 16 == 0:
-            w_arg, w_tma = TensorDescriptor.from_tensor(q.t(), [cfg.block_k, cfg.block_n]), 2
-        else:
-            raise ValueError(f"rlfp8.kernels.{OP}: config w_tma needs q (or its transpose) row-major with 16-byte "
-                             f"aligned rows, got q {tuple(q.shape)} strides {q.stride()}")
-    x_arg, x_tma = x, False
-    if cfg.x_tma:
-        if (not gather and x.stride(0) * x.element_size() % 16 == 0
-                and x.data_ptr() % 16 == 0):
-            from triton.tools.tensor_descriptor import TensorDescriptor
-            x_arg, x_tma = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]), True
-        dispatch.record(f"{OP}.x_loads", "tma" if x_tma else "pointer")
+    w_arg, w_tma = _w_operand(q, cfg)
+    x_arg, x_tma = _x_operand(x, cfg, gather)
     launch(_lora_gemm_kernel, (m_tiles * n_tiles * cfg.split_k,),
            w_arg, x_arg, out, w_scale if w_scale is not None else dummy, x_scale if x_scale is not None else dummy,
            h if has_lora else dummy, *b_ptrs, slot_t, perm_t, g if g is not None else dummy,
@@ -825,58 +554,13 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
            hst[0], hst[1], hst[2], *bst,
            g.stride(0) if g is not None else 0, g.stride(1) if g is not None else 0,
            BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-           GROUP_M=cfg.group_m, RED_UNROLL=red_unroll, DIST_RED=dist_red, WIDEN_W=mode == "w8a16", WIDEN_ASM=widen_asm,
-           SCALE_W=int(w_scale is not None), HAS_XS=mode == "w8a8", HAS_LORA=has_lora, N_SLICES=L, PIPE_SLOTS=pipe_slots,
+           GROUP_M=cfg.group_m, DIST_RED=dist_red, WIDEN_W=mode == "w8a16",
+           SCALE_W=int(w_scale is not None), HAS_XS=mode == "w8a8", HAS_LORA=has_lora, N_SLICES=L,
            BLOCK_R=max(16, next_pow2(r)), ALL_SLOT0=meta is None,
            GATHER=bool(gather), HAS_G=g is not None and has_lora, HAS_BIAS=bias is not None,
            LORA_PREC=lora_precision, LORA_DT=_lora_dt(slices[0].dtype if has_lora else None),
            EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,
            USE_PDL=use_pdl, PDL_WAIT_EARLY=mode == "w8a8", W_TMA=w_tma, SWAP_AB=cfg.swap_ab, X_TMA=x_tma,
-           SYNC_A=SYNC_A and mode == "w8a16" and cfg.swap_ab and not dispatch.triton_interpreting(),
-           FP8_ACC=None if FP8_PRECISE_ACC is None else min(FP8_PRECISE_ACC, cfg.block_k),
+           **_variant_flags(cfg, mode, x, meta, has_lora, dist_red),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
     return out
-
-
-def lora_gemm(x, q, w_scale, **kw) -> torch.Tensor:
-    """K2 (see the module docstring). Dispatches Triton (CUDA / interpreter) or the torch reference."""
-    if dispatch.choose(OP, x, q) == "triton":
-        return lora_gemm_triton(x, q, w_scale, **kw)
-    for k in ("out", "config", "gather", "lora_precision", "use_pdl"):
-        kw.pop(k, None)
-    return lora_gemm_ref(x, q, w_scale, **kw)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the engine's projection: K1 then K2
-def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=None, B=None,
-                    meta: LoRAMeta | None = None, *, mode: str = "w8a16", rounding: str = "div", g=None,
-                    bias=None, out_dtype=None, shrink_out: torch.Tensor | None = None) -> torch.Tensor:
-    """One projection of the engine (or, with meta=None and one adapter, of the trainer's forward):
-    x [T, K] bf16; q [N, K] e4m3 + w_scale [N]; A, B stacked slots (one tensor or per-slice tuples, vLLM
-    layouts accepted; None = base only); meta from build_lora_meta / LoRAMeta.from_vllm (None = slot 0 for
-    every token). mode "w8a16" (x stays 16-bit) or "w8a8" (x quantized per token with `rounding`).
-    shrink_out: a preallocated h buffer [L, T, r] fp32 (vLLM's); by default an uninitialised one, since K2
-    never reads the rows of tokens without adapter (no memset launch)."""
-    if mode not in ("w8a16", "w8a8"):
-        raise ValueError(f"rlfp8.kernels.fp8_lora_linear: mode {mode!r}: allowed 'w8a16', 'w8a8'")
-    if (A is None) != (B is None):
-        raise ValueError("rlfp8.kernels.fp8_lora_linear: pass both A and B, or neither")
-    quant = rounding if mode == "w8a8" else None
-    if quant is not None and quant not in ACT_ROUNDING:
-        raise ValueError(f"rlfp8.kernels.fp8_lora_linear: rounding {rounding!r}: allowed {ACT_ROUNDING}")
-    h = None
-    x_in, x_scale = x, None
-    if A is not None:
-        if shrink_out is None:
-            L = len(A) if isinstance(A, (list, tuple)) else 1
-            r = (A[0] if isinstance(A, (list, tuple)) else A).shape[-2]
-            shrink_out = torch.empty((L, x.shape[0], r), dtype=torch.float32, device=x.device)
-        so: ShrinkOut = lora_shrink(x, A, meta, quant=quant, out=shrink_out)
-        h = so.h
-        if quant is not None:
-            x_in, x_scale = so.x_q, so.x_scale
-    elif quant is not None:
-        x_in, x_scale = quantize_activation(x, quant)
-    return lora_gemm(x_in, q, w_scale, x_scale=x_scale, h=h, B=B, meta=meta, g=g, bias=bias,
-                     out_dtype=out_dtype or (x.dtype if x.dtype != torch.float32 else torch.bfloat16))

@@ -2,7 +2,7 @@
 """Exploration: a Hopper (sm_90a) W8A16 GEMM written in Gluon (triton.experimental.gluon, Triton 3.6),
     y[M, N] (bf16) = (x[M, K] bf16 · widen(q[N, K] e4m3)ᵀ) · s_w[N]      (fp32 accumulation, one rounding)
 to test whether warp specialization closes the gap of our plain-Triton W8A16 kernel (K2,
-rlfp8/kernels/lora_gemm.py) to cuBLAS bf16 at prefill/training sizes (1.28-1.45x cuBLAS at M = 8192). There,
+rlfp8/kernels/gemm_triton.py) to cuBLAS bf16 at prefill/training sizes (1.28-1.45x cuBLAS at M = 8192). There,
 Triton widens the weight tile into wgmma's register-A operand with 1-2 byte LDS and a CTA-wide BAR.SYNC every
 k-step, so widening and MMA do not overlap.
 
@@ -12,7 +12,7 @@ Design (tokens on wgmma's M side, acc[BM, BN] fp32 in registers, one output tile
       - q loader (1 warp): TMA q[off_n:+BN, k:+BK] e4m3 into its own S-stage ring, so the weight ring can run
         ahead of the x ring (the widening consumes it a step before the MMA does);
       - widening partition (4 warps): 16-byte LDS of the e4m3 stage in a blocked layout, exact e4m3 -> bf16
-        (PRMT trick of lora_gemm._e4m3x4_to_bf16: no F2F), 16-byte STS into a W-stage bf16 ring with the
+        (PRMT trick of widen._e4m3x4_to_bf16: no F2F), 16-byte STS into a W-stage bf16 ring with the
         NVMMA (128B-swizzled) layout wgmma reads B from, fence_async_shared, one arrive on "widened";
       - MMA partition (the default one, 4 or 8 warps = 1 or 2 warpgroups): waits x_ready + widened, issues
         async wgmma (A = x stage, B = widened stage permuted to [BK, BN], both from shared memory), keeps one
@@ -59,8 +59,8 @@ Modes:
                    2e-2), median µs of --reps CUDA-graph replays with L2 flushed (bench.kernels.Timer), against
                    cuBLAS bf16 (F.linear on the pre-widened weight) and K2 (lora_gemm_triton, its tuned config).
 
-    python bench/explore_gluon_w8a16.py --compile-only
-    python bench/explore_gluon_w8a16.py --out bench/results/gluon_w8a16_h200.json      # ~1 min on an H200
+    python bench/lab/explore_gluon_w8a16.py --compile-only
+    python bench/lab/explore_gluon_w8a16.py --out bench/results/gluon_w8a16_h200.json      # ~1 min on an H200
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -88,10 +88,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
-from rlfp8.kernels import lora_gemm_rs  # noqa: E402
-from rlfp8.kernels.lora_gemm_rs import _tile_offsets  # noqa: E402  (grouped tile order, same as the package)
+from rlfp8.kernels import gemm_rs  # noqa: E402
+from rlfp8.kernels.gemm_rs import _tile_offsets  # noqa: E402  (grouped tile order, same as the package)
 from rlfp8.kernels._triton_utils import compile_like_jit  # noqa: E402
-from rlfp8.kernels.lora_gemm import E4M3X4_TO_BF16_PTX  # noqa: E402
+from rlfp8.kernels.widen import E4M3X4_TO_BF16_PTX  # noqa: E402
 
 SHAPES = ((8192, 6144, 4096), (8192, 4096, 4096), (8192, 4096, 12288), (8192, 24576, 4096))   # (M, N out, K in)
 
@@ -115,7 +115,7 @@ class Variant:
     widened_chunk: int = 0   # weight rows per widening STS round (0: the whole BN tile in one store; smaller
     #                          chunks bound the bf16 registers but cost a partition barrier per chunk, see
     #                          _widen_stage)
-    rs: bool = False      # rlfp8.kernels.lora_gemm_rs (register-A mainloop; the other fields are documentation)
+    rs: bool = False      # rlfp8.kernels.gemm_rs (register-A mainloop; the other fields are documentation)
     trans_q: bool = False  # rs only: the backward's dx GEMM, dx[M, K] = gy[M, N] · q[N, K] (codes read transposed)
 
 
@@ -142,7 +142,7 @@ VARIANTS = [
 @gluon.jit
 def _e4m3x4_to_bf16(codes):
     """Exact e4m3 -> bf16 (inline PTX, GPU code only), four codes per 32-bit register: the PRMT trick of
-    rlfp8.kernels.lora_gemm._e4m3x4_to_bf16 (see its docstring; bit-identical to a conversion for all 254
+    rlfp8.kernels.widen._e4m3x4_to_bf16 (see its docstring; bit-identical to a conversion for all 254
     finite codes; the NaN codes 0x7f/0xff come out as +-480, the quantizer never produces them)."""
     return gl.inline_asm_elementwise(
         asm=E4M3X4_TO_BF16_PTX,
@@ -393,7 +393,7 @@ def make_args(v: Variant, x: torch.Tensor, q: torch.Tensor, s_w: torch.Tensor, y
     q_desc = TensorDescriptor.from_tensor(q, [v.BN, v.BK], q_layout)
     if v.rs:
         # rsT: x is gy [M, N_red], q the stored codes [N_red, K_out] read transposed, y [M, K_out], no scale
-        return lora_gemm_rs.launch_args(x, q.t() if v.trans_q else q, None if v.trans_q else s_w, out=y)
+        return gemm_rs.launch_args(x, q.t() if v.trans_q else q, None if v.trans_q else s_w, out=y)
     grid = (triton.cdiv(M, v.BM) * triton.cdiv(N, v.BN),)
     common = dict(STAGES=v.stages, W_STAGES=v.w_stages, GROUP_M=v.group_m, MMA_WARPS_N=v.mma_warps_n,
                   CHUNK=v.widened_chunk or v.BN, num_warps=v.num_warps)
@@ -709,7 +709,8 @@ def run_with_watchdog(fn, seconds: float, on_timeout=None):
 
 def gpu_main(variants, args) -> None:
     from bench.kernels import Timer
-    from rlfp8.kernels.lora_gemm import gemm_config, lora_gemm_triton
+    from rlfp8.kernels.gemm_configs import gemm_config
+    from rlfp8.kernels.gemm_triton import lora_gemm_triton
 
     def k2(x, q, s_w):
         # the Triton kernel with its tuned config (an explicit config bypasses the dispatch to lora_gemm_rs)

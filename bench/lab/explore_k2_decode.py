@@ -2,7 +2,7 @@
 """Exploration: where K2's W8A16 time goes at 64 tokens, the one acceptance line of issue 3 that still fails
 (W8A16 base GEMM <= 1.15x our W8A8: qkv 1.24, o 1.21 on the H200).
 
-Two instruments, each on copies of the package kernel (rlfp8/kernels/lora_gemm.py) that differ from it by one
+Two instruments, each on copies of the package kernel (rlfp8/kernels/gemm_triton.py) that differ from it by one
 textual edit (asserted to apply, so a kernel change breaks this script loudly instead of measuring something
 else), run with the tuned W8A16 config of each Qwen3-8B projection at 64 tokens:
 
@@ -29,8 +29,8 @@ else), run with the tuned W8A16 config of each Qwen3-8B projection at 64 tokens:
    several repeats), for the W8A16 and W8A8 configs: loop time, per-iteration time, the split-K arrival and
    reduction, and per tile the time from its last main loop's end to the reducing program's end.
 
-    python bench/explore_k2_decode.py --compile-only     # CPU: every copy compiles for sm_90a; main-loop SASS
-    python bench/explore_k2_decode.py --out bench/results/explore_k2_decode_h200.json      # H200, ~1 min
+    python bench/lab/explore_k2_decode.py --compile-only     # CPU: every copy compiles for sm_90a; main-loop SASS
+    python bench/lab/explore_k2_decode.py --out bench/results/explore_k2_decode_h200.json      # H200, ~1 min
 """
 from __future__ import annotations
 
@@ -42,13 +42,13 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-SRC = ROOT / "rlfp8" / "kernels" / "lora_gemm.py"
+SRC = ROOT / "rlfp8" / "kernels" / "gemm_triton.py"
 PROJ = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 M_TOKENS = 64
 ARMS = ("orig", "xonce", "wonce", "nowiden", "wsame", "kint", "pf2", "nofence", "noexchange", "nostore",
@@ -67,7 +67,7 @@ STORE_Y = "    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, Non
 SIG_TAIL = "    part_ptr, cnt_ptr,\n    M, N, K, R, end0, end1,"
 LAUNCH_TAIL = "part, cnt,\n           M, N, K, r,"
 KEEP_DEF = "@triton.jit\ndef _keep(x):"
-DIST_DEFAULT = 'DIST_RED = os.environ.get("RLFP8_K2_DIST_RED", "1") != "0"\n'
+DIST_DEFAULT = "    dist_red = (knobs().k2_dist_red and "
 
 HELPERS = '''@triton.jit
 def _sreg64(p, name: tl.constexpr):
@@ -118,13 +118,13 @@ def _edit(src: str, old: str, new: str) -> str:
 
 
 def variant_source(arm: str) -> str:
-    """lora_gemm.py as an importable stand-alone module, with the arm's edit ("timed": the timeline)."""
-    from bench.k2_ab import standalone_source
+    """gemm_triton.py (with widen.py inlined) as an importable stand-alone module, with the arm's edit ("timed": the timeline)."""
+    from bench.lab.k2_ab import standalone_source
     s = standalone_source(SRC.read_text())
     s = _edit(s, KEEP_DEF, HELPERS + KEEP_DEF)
     # the arms edit the last-program split-K reduction these measurements were taken with (the package now
     # distributes the reduction at 64 tokens on the GPU: bench/results/k2_ab_split_k_distributed_h200.json)
-    s = _edit(s, DIST_DEFAULT, "DIST_RED = False\n")
+    s = _edit(s, DIST_DEFAULT, "    dist_red = (False and ")
     if arm == "xonce":
         s = _edit(s, LOOP, "    if X_TMA:\n        xt0 = x_ptr.load([pid_m * BLOCK_M, k_lo])\n" + LOOP)
         s = _edit(s, X_LOAD, "            xt = xt0\n")
@@ -193,16 +193,17 @@ def variant_source(arm: str) -> str:
 
 def load_variant(arm: str):
     """Import the arm's copy of the kernel module."""
-    from bench.k2_ab import import_source
+    from bench.lab.k2_ab import import_source
     return import_source(variant_source(arm), f"k2_{arm}")
 
 
 # ------------------------------------------------------------------------------------------------ CPU: compile
 def compile_only() -> list[dict]:
-    from bench.explore_gluon_w8a16 import histogram, main_loops, sass_listing
+    from bench.lab.explore_gluon_w8a16 import histogram, main_loops, sass_listing
     from rlfp8.kernels.fp8 import FP8_DTYPE
     from rlfp8.kernels._triton_utils import collect_launches, compile_like_jit
-    from rlfp8.kernels import lora_gemm as lg
+    from rlfp8.kernels import gemm_configs as lg
+    from rlfp8.kernels.gemm_triton import lora_gemm_triton
     rows = []
     N, K = PROJ["qkv"]
     for arm in ARMS + ("timed",):
@@ -236,7 +237,8 @@ def _problem(N, K, g):
 
 def ablations(reps: int) -> dict:
     from bench.kernels import Timer
-    from rlfp8.kernels import lora_gemm as lg
+    from rlfp8.kernels import gemm_configs as lg
+    from rlfp8.kernels.gemm_triton import lora_gemm_triton
     timer = Timer(reps)
     mods = {arm: load_variant(arm) for arm in ARMS}
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -245,8 +247,8 @@ def ablations(reps: int) -> dict:
         q, sw, x, xq, xs = _problem(N, K, g)
         cfg = lg.gemm_config("w8a16", M_TOKENS, N, K, "cuda")
         configs[proj] = dataclasses.asdict(cfg)
-        fns = {"package_w8a8": lambda: lg.lora_gemm_triton(xq, q, sw, x_scale=xs),
-               "package_w8a16": lambda: lg.lora_gemm_triton(x, q, sw)}
+        fns = {"package_w8a8": lambda: lora_gemm_triton(xq, q, sw, x_scale=xs),
+               "package_w8a16": lambda: lora_gemm_triton(x, q, sw)}
         for arm, mod in mods.items():
             c = mod.GemmConfig(**dataclasses.asdict(cfg))
             fns[arm] = lambda mod=mod, c=c: mod.lora_gemm_triton(x, q, sw, config=c)
@@ -272,7 +274,8 @@ def _pct(a, qs=(0, 50, 90, 100)):
 
 def timeline(repeats: int = 5) -> dict:
     import numpy as np
-    from rlfp8.kernels import lora_gemm as lg
+    from rlfp8.kernels import gemm_configs as lg
+    from rlfp8.kernels.gemm_triton import lora_gemm_triton
     mod = load_variant("timed")
     g = torch.Generator(device="cuda").manual_seed(1)
     flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
@@ -287,7 +290,7 @@ def timeline(repeats: int = 5) -> dict:
             mod.TBUF_ITERS_AT = grid * 12
             args = (x, q, sw) if mode == "w8a16" else (xq, q, sw)
             kw = {} if mode == "w8a16" else dict(x_scale=xs)
-            ref = lg.lora_gemm_triton(*args, **kw)
+            ref = lora_gemm_triton(*args, **kw)
             runs = []
             for _ in range(repeats + 1):
                 mod.lora_gemm_triton(*args, config=cfg, **kw)

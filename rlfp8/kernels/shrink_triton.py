@@ -11,10 +11,8 @@ Shapes (T tokens, K input features, S slots, r rank, L slices: 3 for qkv, 2 for 
 Triton kernel, one 1-D launch of two kinds of programs:
   * W8A8 only, first: ⌈T/QBLOCK_M⌉ quantization programs, each quantizing QBLOCK_M consecutive tokens over
     the full K (one row per program for K >= 4096; one pass over x when K <= 4096), in token order: the
-    quantization does not depend on the adapters, so it needs neither the segments nor the split.
-    (The first version quantized in an extra grid column, one program per (segment, row tile), BLOCK_M rows
-    each over all of K: at T = 64 a single program streamed all of x twice, latency-bound, and with 32
-    adapters every program carried mostly padding rows: 0.3-2 ms per layer on the H200.)
+    quantization does not depend on the adapters, so it needs neither the segments nor the split (the
+    per-segment layout it replaced, and why: bench/README.md, "K1's quantization programs").
   * SPLIT_K · ⌈T/BLOCK_M⌉ · L · segments shrink programs (split index fastest). A program takes BLOCK_M rows
     of one adapter segment (rows gathered through token_indices_sorted_by_lora_ids, so one A is read per
     program) and a 1/SPLIT_K share of K. With SPLIT_K > 1 every program writes its fp32 partial to a
@@ -34,21 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-from . import dispatch
-from ._triton_utils import (cdiv, check_pdl, check_tensor, launch, next_pow2, require_triton_device,
-                            split_counters, stacked_view)
-from .fp8 import ACT_ROUNDING, FP8_DTYPE, quantize_activation_ref
+from ._triton_utils import cdiv, check_pdl, launch, next_pow2, require_triton_device, split_counters
+from .fp8_ref import FP8_DTYPE
 from .fp8_triton import ROUNDING_CODE, _quant_config, _quant_rows_tile, quantize_rows_triton
+from .shrink_ref import ShrinkOut, a_slices, check_lora_shrink_args
 from .metadata import LoRAMeta
 
 OP = "lora_shrink"
-
-
-@dataclass
-class ShrinkOut:
-    h: torch.Tensor                       # [L, T, r] fp32
-    x_q: torch.Tensor | None = None       # [T, K] float8_e4m3fn (W8A8)
-    x_scale: torch.Tensor | None = None   # [T, 1] fp32 (W8A8)
 
 
 @dataclass(frozen=True)
@@ -192,59 +182,11 @@ def _lora_shrink_kernel(
                 tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
 
 
-def _slices(A) -> list[torch.Tensor]:
-    return list(A) if isinstance(A, (list, tuple)) else [A]
-
-
-def _check(x, A_list, meta, quant, out):
-    check_tensor(OP, "x", x, ndim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))
-    M, K = x.shape
-    if not 1 <= len(A_list) <= 3:
-        raise ValueError(f"rlfp8.kernels.{OP}: 1 to 3 A slices are supported, got {len(A_list)}")
-    A3 = [stacked_view(OP, f"A[{i}]", a, K) for i, a in enumerate(A_list)]
-    for i, a in enumerate(A3):
-        check_tensor(OP, f"A[{i}]", a, dtypes=(x.dtype,), device=x.device)
-        if a.shape != A3[0].shape:
-            raise ValueError(f"rlfp8.kernels.{OP}: every A slice must have the shape of A[0] "
-                             f"{tuple(A3[0].shape)}, A[{i}] has {tuple(a.shape)}")
-    if quant is not None and quant not in ACT_ROUNDING:
-        raise ValueError(f"rlfp8.kernels.{OP}: quant {quant!r}: allowed values are None, {ACT_ROUNDING}")
-    if meta is not None:
-        meta.validate(OP, M)
-        if meta.max_loras > A3[0].shape[0]:
-            raise ValueError(f"rlfp8.kernels.{OP}: metadata has {meta.max_loras} slots but A has "
-                             f"{A3[0].shape[0]} (shape {tuple(A3[0].shape)})")
-    r = A3[0].shape[1]
-    if out is not None:
-        check_tensor(OP, "out", out, shape=(len(A3), M, r), dtypes=(torch.float32,), device=x.device)
-    return A3
-
-
-def lora_shrink_ref(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: str | None = None,
-                    out: torch.Tensor | None = None) -> ShrinkOut:
-    """Plain torch: h[l, rows of slot s] = x[rows] @ A_l[s]ᵀ in fp32; other rows of `out` untouched."""
-    A3 = _check(x, _slices(A), meta, quant, out)
-    M, K = x.shape
-    r = A3[0].shape[1]
-    h = out if out is not None else torch.zeros((len(A3), M, r), dtype=torch.float32, device=x.device)
-    slots = torch.zeros(M, dtype=torch.long, device=x.device) if meta is None else meta.token_lora_mapping.long()
-    xf = x.float()
-    for s in torch.unique(slots).tolist():
-        if s < 0:
-            continue
-        rows = (slots == s).nonzero().squeeze(1)
-        for l, a in enumerate(A3):
-            h[l, rows] = xf[rows] @ a[s].float().t()
-    xq = xs = None
-    if quant is not None:
-        xq, xs = quantize_activation_ref(x, quant)
-    return ShrinkOut(h, xq, xs)
-
 
 def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: str | None = None,
                        out: torch.Tensor | None = None, config: ShrinkConfig | None = None,
                        use_pdl: bool = False) -> ShrinkOut:
-    A3 = _check(x, _slices(A), meta, quant, out)
+    A3 = check_lora_shrink_args(x, a_slices(A), meta, quant, out)
     if x.dtype == torch.float32:
         raise TypeError(f"rlfp8.kernels.{OP}: the Triton kernel takes bf16/fp16 x (16-bit MMA), got fp32 "
                         f"x {tuple(x.shape)}; use the torch backend")
@@ -303,12 +245,3 @@ def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: 
            EVEN_K=K % cfg.block_k == 0, RED_UNROLL=red_unroll, USE_PDL=use_pdl,
            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
     return ShrinkOut(h, xq, xs)
-
-
-def lora_shrink(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: str | None = None,
-                out: torch.Tensor | None = None, config: ShrinkConfig | None = None,
-                use_pdl: bool = False) -> ShrinkOut:
-    """K1 (see the module docstring). Dispatches Triton (CUDA / interpreter) or the torch reference."""
-    if dispatch.choose(OP, x) == "triton":
-        return lora_shrink_triton(x, A, meta, quant, out, config, use_pdl)
-    return lora_shrink_ref(x, A, meta, quant, out)

@@ -1,8 +1,8 @@
-"""bench/pick_x_tma.py (H200): for the W8A16 64-token keys (swap_ab loop) whose entry loads x with pointers,
+"""bench/lab/pick_x_tma.py (H200): for the W8A16 64-token keys (swap_ab loop) whose entry loads x with pointers,
 time the entry's config against its x_tma variant (paired graphs, L2 flushed, median of 100) over the key's
 projections; take the variant when its bits equal the entry's and it is faster; record the measurement in the
 table's `edits`.
-    python bench/pick_x_tma.py      # edits rlfp8/kernels/tuned/<gpu>.json in place
+    python bench/lab/pick_x_tma.py      # edits rlfp8/kernels/tuned/<gpu>.json in place
 """
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
 import kernels as kb  # noqa: E402  (bench/kernels.py: Timer, PROJ)
-from rlfp8.kernels import lora_gemm as lg  # noqa: E402
+from rlfp8.kernels import gemm_configs as lg  # noqa: E402
+from rlfp8.kernels.gemm_triton import lora_gemm_triton  # noqa: E402
 from rlfp8.kernels.fp8_triton import quantize_weight_triton  # noqa: E402
 
 DEV = "cuda"
@@ -35,8 +36,8 @@ def compare(cfg, var, names, timer, g) -> tuple[float, float, bool]:
         w = torch.randn(sum(widths), K, device=DEV, dtype=torch.bfloat16, generator=g) * .02
         q, sw = quantize_weight_triton(w)
         x = torch.randn(64, K, device=DEV, dtype=torch.bfloat16, generator=g)
-        a = lambda: lg.lora_gemm_triton(x, q, sw, config=cfg)       # noqa: E731
-        b = lambda: lg.lora_gemm_triton(x, q, sw, config=var)       # noqa: E731
+        a = lambda: lora_gemm_triton(x, q, sw, config=cfg)       # noqa: E731
+        b = lambda: lora_gemm_triton(x, q, sw, config=var)       # noqa: E731
         same &= all(torch.equal(b(), a()) for _ in range(20))
         ua, ub = timer.paired_us([a, b])
         tot_a, tot_b = tot_a + ua, tot_b + ub
@@ -62,7 +63,7 @@ def main() -> int:
                 "key": key, "change": "x_tma: true", "date": datetime.date.today().isoformat(),
                 "why": f"H200, 64 tokens, {'+'.join(names)}: pointer x loads {us_ptr:.2f} us vs TMA {us_tma:.2f} us "
                        f"(paired graphs, L2 flushed, median of 100), outputs bit-identical over 20 calls "
-                       f"(bench/pick_x_tma.py)"})
+                       f"(bench/lab/pick_x_tma.py)"})
             print("take", key)
     path.write_text(json.dumps(table, indent=1) + "\n")
     return 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""A/B check of a K2 change: the working tree's rlfp8/kernels/lora_gemm.py ("new") against another version of
+"""A/B check of a K2 change: the working tree's rlfp8/kernels/gemm_triton.py ("new") against another version of
 the file ("old", e.g. the last commit's), on every Qwen3-8B projection and token count whose tuned config
 uses split-K (the configs both versions take from the same tuned table), both modes:
   * same_bits: new == old output (a change meant to keep the arithmetic must keep the bits);
@@ -7,8 +7,8 @@ uses split-K (the configs both versions take from the same tuned table), both mo
   * new_us / old_us: median of --reps CUDA-graph replays, the two graphs replayed in turn, L2 flushed.
 The split-K protocol variants in bench/results/explore_k2_splitk_variants_h200.json were measured this way.
 
-    git show HEAD:rlfp8/kernels/lora_gemm.py > /tmp/lora_gemm_old.py
-    python bench/k2_ab.py --old-src /tmp/lora_gemm_old.py --out /tmp/k2_ab.json          # H200, ~20 s
+    git show HEAD:rlfp8/kernels/gemm_triton.py > /tmp/lora_gemm_old.py
+    python bench/lab/k2_ab.py --old-src /tmp/lora_gemm_old.py --out /tmp/k2_ab.json          # H200, ~20 s
 """
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -29,10 +30,18 @@ PROJ = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down"
 TOKENS = (1, 4, 16, 64, 256)
 
 
+WIDEN_IMPORT = "from .widen import _e4m3_to_bf16, _e4m3x2_to_bf16, _e4m3x4_to_bf16, _keep\n"
+
+
 def standalone_source(src: str) -> str:
-    """lora_gemm.py's text with its package-relative imports made absolute, importable from any file."""
-    for m in ("dispatch", "_triton_utils", "fp8", "lora_shrink", "metadata"):
-        src = src.replace(f"from .{m} import", f"from rlfp8.kernels.{m} import")
+    """K2's module text (rlfp8/kernels/gemm_triton.py, or an older single-file lora_gemm.py) importable from
+    any file: widen.py's helpers inlined (Triton resolves a kernel's helpers in its own module, and the arms
+    of explore_k2_decode edit them), the other package-relative imports made absolute."""
+    if WIDEN_IMPORT in src:
+        widen = (ROOT / "rlfp8" / "kernels" / "widen.py").read_text()
+        src = src.replace(WIDEN_IMPORT, "") + "\n\n" + widen[widen.index("\n@triton.jit") + 1:]
+    src = src.replace("from .lora_shrink import", "from rlfp8.kernels import")      # pre-split versions
+    src = re.sub(r"from \.(\w+) import", r"from rlfp8.kernels.\1 import", src)
     return src.replace("from . import dispatch", "from rlfp8.kernels import dispatch")
 
 
@@ -63,7 +72,8 @@ def main():
         raise SystemExit("k2_ab: needs a GPU")
     from bench.kernels import Timer
     from rlfp8.kernels import _triton_utils as tu
-    from rlfp8.kernels import lora_gemm as lg
+    from rlfp8.kernels import gemm_configs as lg
+    from rlfp8.kernels.gemm_triton import lora_gemm_triton
     old = load_copy(a.old_src)
     timer = Timer(a.reps)
     with tu.collect_launches() as rec:          # compile every kernel of both versions in parallel first
@@ -91,9 +101,9 @@ def cases(lg, old, collect, timer=None):
             # the old copy gets the new one's config: its own tuned-table path is a temporary directory
             c16 = lg.gemm_config("w8a16", M, N, K, "cuda")
             c16_old = old.GemmConfig(**dataclasses.asdict(c16))
-            fns = [lambda: lg.lora_gemm_triton(x, q, sw, config=c16),
+            fns = [lambda: lora_gemm_triton(x, q, sw, config=c16),
                    lambda: old.lora_gemm_triton(x, q, sw, config=c16_old),
-                   lambda: lg.lora_gemm_triton(xq, q, sw, x_scale=xs)]
+                   lambda: lora_gemm_triton(xq, q, sw, x_scale=xs)]
             if collect is not None:
                 collect(*fns)
             elif M <= 64:
@@ -108,7 +118,7 @@ def cases(lg, old, collect, timer=None):
                     continue
                 old_cfg = old.GemmConfig(**dataclasses.asdict(cfg))
                 args, kw = ((x, q, sw), {}) if mode == "w8a16" else ((xq, q, sw), dict(x_scale=xs))
-                fn_new = lambda: lg.lora_gemm_triton(*args, config=cfg, **kw)           # noqa: E731
+                fn_new = lambda: lora_gemm_triton(*args, config=cfg, **kw)           # noqa: E731
                 fn_old = lambda: old.lora_gemm_triton(*args, config=old_cfg, **kw)      # noqa: E731
                 if collect is not None:
                     collect(fn_new, fn_old)

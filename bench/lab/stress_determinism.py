@@ -4,8 +4,8 @@ first output; any difference is a race (the inputs do not change). K2 (the Trito
 for the token count, forced with `config=`) at 64 / 256 / 1024 tokens, base GEMM with and without bias and
 with one adapter through metadata; lora_gemm_rs (the Gluon main loop) at 1024 tokens; median µs of each call.
 
-    python bench/stress_determinism.py --out bench/results/stress_determinism_h200.json
-    RLFP8_K2_SYNC_A=0 python bench/stress_determinism.py ...   # without the SYNC_A wait: reproduces the race
+    python bench/lab/stress_determinism.py --out bench/results/stress_determinism_h200.json
+    RLFP8_K2_SYNC_A=0 python bench/lab/stress_determinism.py ...   # without the SYNC_A wait: reproduces the race
 
 Finding (H200, see the JSON): without SYNC_A, K2's 8192-token config with a bias returned garbage tiles in
 8-30 of 30 calls; with it, 0 mismatches everywhere, at +0% (64 tokens), ~+10% (256), ~+30% (1024) time.
@@ -17,15 +17,16 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
 from bench.kernels import Timer  # noqa: E402
-from rlfp8.kernels import lora_gemm  # noqa: E402
 from rlfp8.kernels.fp8 import quantize_weight  # noqa: E402
-from rlfp8.kernels.lora_gemm import gemm_config, lora_gemm_triton  # noqa: E402
+from rlfp8.kernels.gemm_configs import gemm_config  # noqa: E402
+from rlfp8.kernels.gemm_triton import lora_gemm_triton  # noqa: E402
+from rlfp8.kernels.knobs import knobs  # noqa: E402
 from rlfp8.kernels.metadata import build_lora_meta  # noqa: E402
 
 
@@ -61,7 +62,7 @@ def main(argv=None) -> None:
                            config=list(cfg.key()) if name.startswith("k2") else None)
                 print(row, flush=True)
                 rows.append(row)
-    out = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, sync_a=lora_gemm.SYNC_A,
+    out = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, sync_a=knobs().k2_sync_a,
                command=" ".join([Path(sys.executable).name] + sys.argv), rows=rows)
     Path(a.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {a.out}")

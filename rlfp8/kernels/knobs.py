@@ -1,0 +1,126 @@
+"""The kernel knobs: every switch that changes which kernel path runs or how it is compiled, in one place.
+
+Precedence, lowest first: the defaults below; the config section `kernels.*` (conf/kernels/default.yaml,
+through `apply_config`); the environment variables in ENV_VARS (read once, at import, and re-applied over
+every `apply_config`, so an operator's override wins over a recipe); `set_knobs(...)` (tests, benchmarks).
+The kernels read `knobs()` at call time, never at import, so a config key or a test can change them.
+The backend (auto|triton|torch) is a knob too, set from `trainer.kernels` through dispatch.set_backend.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+BACKENDS = ("auto", "triton", "torch")
+W8A16_WIDENINGS = ("bits", "cvt")
+
+
+@dataclass(frozen=True)
+class KernelKnobs:
+    # which implementation of each op runs (rlfp8.kernels.dispatch): auto = Triton on CUDA, torch on the CPU
+    backend: str = "auto"
+    # K2 at > 512 tokens without metadata may run the Gluon warp-specialized main loop (lora_gemm_rs; same
+    # bits); False keeps the Triton kernel (A/B timing, debugging)
+    gemm_rs: bool = True
+    # K2 W8A16 swap_ab: retire each k-step's wgmmas before the next widening; False reproduces the register
+    # race it prevents (bench/lab/stress_determinism.py), never for real runs
+    k2_sync_a: bool = True
+    # K2 split-K: every program reduces its share of the tile's tokens; False = the tile's last program
+    # reduces them all (A/B timing; same bits)
+    k2_dist_red: bool = True
+    # W8A16 widening of e4m3 tiles: "bits" = each config's PTX widening (GemmConfig.widen), "cvt" = Triton's
+    # .to(bf16) everywhere (same bits)
+    w8a16_widen: str = "bits"
+    # W8A8: promote the FP8 MMA accumulator to fp32 every k reduction elements (slower, DeepSeek-V3 style);
+    # None = Triton's sm_90 default (fast accumulation, like vLLM's CUTLASS FastAccum)
+    fp8_precise_acc: int | None = None
+    # which tuned GEMM table (rlfp8/kernels/tuned/<slug>.json) to read; None = the current GPU's name
+    tuned_gpu: str | None = None
+
+
+# environment variable -> knob; the only place in rlfp8.kernels that reads RLFP8_* variables
+ENV_VARS = {
+    "RLFP8_KERNELS": "backend",
+    "RLFP8_GEMM_RS": "gemm_rs",
+    "RLFP8_K2_SYNC_A": "k2_sync_a",
+    "RLFP8_K2_DIST_RED": "k2_dist_red",
+    "RLFP8_W8A16_WIDEN": "w8a16_widen",
+    "RLFP8_FP8_PRECISE_ACC": "fp8_precise_acc",
+    "RLFP8_TUNED_GPU": "tuned_gpu",
+}
+ENV_VARS_BY_KNOB = {knob: var for var, knob in ENV_VARS.items()}
+_NAMES = tuple(f.name for f in dataclasses.fields(KernelKnobs))
+_CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS}
+_FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red")
+
+
+def _validated(name: str, value, source: str):
+    """The knob's value, or a ValueError naming the knob (as `source` spells it) and its allowed values."""
+    if name not in _NAMES:
+        raise ValueError(f"{source}: unknown kernel knob {name!r}; known knobs: {', '.join(_NAMES)}")
+    if name in _CHOICES:
+        if value not in _CHOICES[name]:
+            raise ValueError(f"{source}={value!r}: allowed values are {_CHOICES[name]}")
+    elif name in _FLAGS:
+        if not isinstance(value, bool):
+            raise ValueError(f"{source}={value!r}: allowed values are true, false")
+    elif name == "fp8_precise_acc":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{source}={value!r}: allowed values are null or a positive int (k elements)")
+    elif value is not None and not isinstance(value, str):
+        raise ValueError(f"{source}={value!r}: allowed values are null or a GPU name (string)")
+    return value
+
+
+def _from_env(name: str, text: str):
+    """Parse an environment variable's text into its knob's type (flags: "0" = false, anything else true)."""
+    if name in _FLAGS:
+        return text != "0"
+    if name == "fp8_precise_acc":
+        try:
+            return int(text) if text else None
+        except ValueError:
+            raise ValueError(f"{ENV_VARS_BY_KNOB[name]}={text!r}: allowed values are unset or a positive int")
+    return text
+
+
+
+def _env_overrides(environ=os.environ) -> dict:
+    found = {}
+    for var, name in ENV_VARS.items():
+        if environ.get(var) is not None:
+            found[name] = _validated(name, _from_env(name, environ[var]), var)
+    return found
+
+
+_ENV = _env_overrides()
+_knobs = dataclasses.replace(KernelKnobs(), **_ENV)
+
+
+def knobs() -> KernelKnobs:
+    return _knobs
+
+
+def set_knobs(**changes) -> KernelKnobs:
+    """Change some knobs (validated; a ValueError names the knob and its allowed values); returns the old set,
+    which `restore_knobs` puts back."""
+    global _knobs
+    checked = {name: _validated(name, value, f"kernel knob {name}") for name, value in changes.items()}
+    old, _knobs = _knobs, dataclasses.replace(_knobs, **checked)
+    return old
+
+
+def restore_knobs(saved: KernelKnobs) -> None:
+    global _knobs
+    _knobs = saved
+
+
+def apply_config(section: dict | None) -> KernelKnobs:
+    """Set the knobs from the config section `kernels` (keys as in conf/kernels/default.yaml; missing keys
+    take the defaults), then the environment overrides again. Returns the resulting knobs."""
+    global _knobs
+    section = dict(section or {})
+    checked = {name: _validated(name, value, f"kernels.{name}") for name, value in section.items()}
+    _knobs = dataclasses.replace(KernelKnobs(backend=_knobs.backend), **{**checked, **_ENV})
+    return _knobs

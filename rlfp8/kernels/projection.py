@@ -1,0 +1,43 @@
+"""The engine's projection (and the trainer's forward with meta=None and one adapter): K1 then K2."""
+from __future__ import annotations
+
+import torch
+
+from .fp8 import ACT_ROUNDING, quantize_activation
+from .gemm import lora_gemm
+from .shrink import lora_shrink
+from .shrink_ref import ShrinkOut
+from .metadata import LoRAMeta
+
+
+def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=None, B=None,
+                    meta: LoRAMeta | None = None, *, mode: str = "w8a16", rounding: str = "div", g=None,
+                    bias=None, out_dtype=None, shrink_out: torch.Tensor | None = None) -> torch.Tensor:
+    """One projection of the engine (or, with meta=None and one adapter, of the trainer's forward):
+    x [T, K] bf16; q [N, K] e4m3 + w_scale [N]; A, B stacked slots (one tensor or per-slice tuples, vLLM
+    layouts accepted; None = base only); meta from build_lora_meta or the engine's view of vLLM's metadata
+    (None = slot 0 for every token). mode "w8a16" (x stays 16-bit) or "w8a8" (x quantized per token with `rounding`).
+    shrink_out: a preallocated h buffer [L, T, r] fp32 (vLLM's); by default an uninitialised one, since K2
+    never reads the rows of tokens without adapter (no memset launch)."""
+    if mode not in ("w8a16", "w8a8"):
+        raise ValueError(f"rlfp8.kernels.fp8_lora_linear: mode {mode!r}: allowed 'w8a16', 'w8a8'")
+    if (A is None) != (B is None):
+        raise ValueError("rlfp8.kernels.fp8_lora_linear: pass both A and B, or neither")
+    quant = rounding if mode == "w8a8" else None
+    if quant is not None and quant not in ACT_ROUNDING:
+        raise ValueError(f"rlfp8.kernels.fp8_lora_linear: rounding {rounding!r}: allowed {ACT_ROUNDING}")
+    h = None
+    x_in, x_scale = x, None
+    if A is not None:
+        if shrink_out is None:
+            L = len(A) if isinstance(A, (list, tuple)) else 1
+            r = (A[0] if isinstance(A, (list, tuple)) else A).shape[-2]
+            shrink_out = torch.empty((L, x.shape[0], r), dtype=torch.float32, device=x.device)
+        so: ShrinkOut = lora_shrink(x, A, meta, quant=quant, out=shrink_out)
+        h = so.h
+        if quant is not None:
+            x_in, x_scale = so.x_q, so.x_scale
+    elif quant is not None:
+        x_in, x_scale = quantize_activation(x, quant)
+    return lora_gemm(x_in, q, w_scale, x_scale=x_scale, h=h, B=B, meta=meta, g=g, bias=bias,
+                     out_dtype=out_dtype or (x.dtype if x.dtype != torch.float32 else torch.bfloat16))
