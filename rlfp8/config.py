@@ -21,6 +21,20 @@ class ConfigError(ValueError):
     pass
 
 
+def _algo_choices() -> dict[str, tuple]:
+    """The algo choice keys' allowed values, owned by the registries in rlfp8.algos."""
+    from rlfp8 import algos
+    return {
+        "algo.advantage": tuple(algos.ESTIMATORS),
+        "algo.scale_rewards": tuple(algos.SCALE_REWARDS),
+        "algo.policy_loss": tuple(algos.POLICY_LOSSES),
+        "algo.loss_agg": tuple(algos.AGG_MODES),
+        "algo.correction": tuple(algos.CORRECTIONS),
+        "algo.rollout_rs": (None,) + tuple(algos.ROLLOUT_RS_OPTIONS),
+        "algo.kl_estimator": tuple(algos.KL_ESTIMATORS),
+    }
+
+
 # key -> allowed values (checked after composition)
 CHOICES: dict[str, tuple] = {
     "model.dtype": ("bfloat16", "float32"),
@@ -29,12 +43,9 @@ CHOICES: dict[str, tuple] = {
     "trainer.kernels": ("auto", "triton", "torch"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "placement.name": ("two_copies", "offloaded"),
-    "algo.advantage": ("grpo", "drgrpo", "rloo"),
-    "algo.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "algo.correction": ("none", "tis", "seq_tis", "token_mask", "seq_mask"),
-    "algo.kl_estimator": ("k1", "k2", "k3"),
     "adapter.type": ("lora",),
     "logger.wandb.mode": ("auto", "online", "offline", "disabled"),
+    **_algo_choices(),
 }
 POSITIVE_INT = ("steps", "adapter.rank", "algo.group_size", "algo.max_response_len", "data.prompts_per_step",
                 "engine.max_model_len", "trainer.micro_batch_tokens", "trainer.mini_batches", "trainer.epochs",
@@ -109,6 +120,9 @@ def _get(cfg, key):
 
 
 def validate(cfg: DictConfig) -> None:
+    from rlfp8.algos import RENAMED_CORRECTIONS
+    if _get(cfg, "algo.correction") in RENAMED_CORRECTIONS:
+        raise ConfigError(f"algo.correction={cfg.algo.correction!r}: {RENAMED_CORRECTIONS[cfg.algo.correction]}")
     for key, allowed in CHOICES.items():
         v = _get(cfg, key)
         if v not in allowed:
@@ -122,8 +136,7 @@ def validate(cfg: DictConfig) -> None:
         v = _get(cfg, key)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
             raise ConfigError(f"{key}={v!r}: must be a number > 0")
-    if cfg.algo.clip_eps_low < 0 or cfg.algo.clip_eps_high < 0:
-        raise ConfigError("algo.clip_eps_low / algo.clip_eps_high must be >= 0")
+    _validate_algo(cfg.algo)
     if cfg.model.path in (None, "???"):
         raise ConfigError("model.path is not set: a local HF folder, a hub id, 'tiny' or gguf:smollm2-135m-instruct")
     if cfg.resume and not cfg.run_dir:
@@ -136,6 +149,42 @@ def validate(cfg: DictConfig) -> None:
     if cfg.algo.max_response_len >= cfg.engine.max_model_len:
         raise ConfigError(f"algo.max_response_len={cfg.algo.max_response_len} must be < engine.max_model_len="
                           f"{cfg.engine.max_model_len} (prompt + response)")
+
+
+def _number(a: DictConfig, key: str, ok, rule: str, nullable: bool = False) -> None:
+    v = a[key]
+    if v is None and nullable:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+        raise ConfigError(f"algo.{key}={v!r}: must be {rule}")
+
+
+def _validate_algo(a: DictConfig) -> None:
+    """Ranges and combinations of the algo keys (allowed choice values: CHOICES)."""
+    _number(a, "clip_eps_low", lambda v: 0 <= v <= 1, "a number in [0, 1]")
+    _number(a, "clip_eps_high", lambda v: v >= 0, "a number >= 0")
+    _number(a, "clip_ratio_c", lambda v: v > 1, "a number > 1 (verl's dual-clip bound) or null (off)", nullable=True)
+    _number(a, "std_eps", lambda v: v >= 0, "a number >= 0")
+    _number(a, "tis_low", lambda v: 0 <= v <= a.tis_cap, f"null or a number in [0, algo.tis_cap={a.tis_cap}]",
+            nullable=True)
+    for key in ("kl_coef", "entropy_coeff"):
+        _number(a, key, lambda v: v >= 0, "a number >= 0")
+    for key in ("rollout_is_batch_normalize", "drop_rejected_from_denominator", "use_bias_correction_kl"):
+        if not isinstance(a[key], bool):
+            raise ConfigError(f"algo.{key}={a[key]!r}: must be true or false")
+    if a.scale_rewards != "group" and a.advantage != "grpo":
+        raise ConfigError(f"algo.scale_rewards={a.scale_rewards!r} applies to algo.advantage=grpo only "
+                          f"(got algo.advantage={a.advantage!r})")
+    if a.rollout_is_batch_normalize and a.correction == "none":
+        raise ConfigError("algo.rollout_is_batch_normalize=true needs a weighting algo.correction (not 'none')")
+    if a.rollout_rs is not None:
+        from rlfp8.algos import parse_rollout_rs_threshold
+        try:
+            parse_rollout_rs_threshold(a.rollout_rs, a.rollout_rs_threshold)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    elif a.rollout_rs_threshold is not None:
+        raise ConfigError(f"algo.rollout_rs_threshold={a.rollout_rs_threshold!r} is set but algo.rollout_rs is null")
 
 
 def to_dict(cfg: DictConfig) -> dict[str, Any]:

@@ -133,7 +133,8 @@ def run(cfg: dict) -> int:
         t_roll = time.time() - t0
         rewards = batch_score([s.text for s in samples], [examples[s.prompt_index].answer for s in samples],
                               train_stream.reward_kind)
-        adv = algos.compute_advantages(torch.tensor(rewards), a["group_size"], a["advantage"], a["std_eps"])
+        adv = algos.compute_advantages(torch.tensor(rewards), a["group_size"], a["advantage"], a["std_eps"],
+                                       a["scale_rewards"])
         batch = Rollouts(input_ids=[prompt_ids[s.prompt_index] + s.token_ids for s in samples],
                          prompt_lens=[len(prompt_ids[s.prompt_index]) for s in samples],
                          rollout_logprobs=[s.logprobs for s in samples], advantages=adv.tolist())

@@ -216,18 +216,22 @@ class PolicyTrainer:
                 collated[key] = self._collate(batch, rows)
             return key, collated[key]
 
-        old, ref = {}, {}
-        if not on_policy or use_kl:
+        need_stats = algos.needs_batch_stats(a)     # batch-normalised weights / kept-token denominators
+        old, ref, stats = {}, {}, {}
+        if not on_policy or use_kl or need_stats:
             with torch.no_grad():
                 for _, mbs in plan:
                     for rows in mbs:
                         key, mb = micro_batch(rows)
-                        if not on_policy:
+                        if not on_policy or need_stats:
                             old[key] = self._logp(mb)
+                        if need_stats:
+                            stats[key] = algos.batch_stats(a, old[key], mb["rollout_logp"], mb["mask"])
                         if use_kl:
                             with adapters_disabled(self.model):
                                 ref[key] = self._logp(mb)
 
+        step_stats = algos.sum_stats(stats.values()) if need_stats else None
         metrics_acc: dict[str, list[float]] = {}
         mism_old, mism_eng, mism_mask = [], [], []
         tokens = 0
@@ -236,32 +240,25 @@ class PolicyTrainer:
             for mi, mbs in plan:
                 resp_lens = torch.tensor([lengths[i] - batch.prompt_lens[i] for i in minis[mi]])
                 mini_mask = torch.arange(int(resp_lens.max()))[None, :] < resp_lens[:, None]      # [b, T]
-                denom = algos.aggregation_denominator(mini_mask, a["loss_agg"], max_resp)
+                mini_stats = algos.sum_stats(stats[tuple(r)] for r in mbs) if need_stats else None
+                denom = algos.loss_denominator(a, mini_mask, max_resp, len(mbs), mini_stats)
                 self.optimizer.zero_grad(set_to_none=True)
                 for rows in mbs:
                     key, mb = micro_batch(rows)
                     logp, ent = self._logp(mb, entropy=True)
-                    old_logp = logp.detach() if on_policy else old[key]
+                    old_logp = old[key] if key in old else logp.detach()
                     mask = mb["mask"]
                     if epoch == 0:                   # mismatch of pi_old vs the engine, once per sequence
                         mism_old.append(old_logp.detach())
                         mism_eng.append(mb["rollout_logp"])
                         mism_mask.append(mask)
-                    w, wm = algos.importance_weights(old_logp, mb["rollout_logp"], mask, mode=a["correction"],
-                                                     cap=float(a.get("tis_cap", 2.0)), low=a.get("tis_low"))
-                    per_tok, pm = algos.policy_loss_terms(logp, old_logp, mb["advantages"], mask,
-                                                          clip_eps_low=float(a["clip_eps_low"]),
-                                                          clip_eps_high=float(a["clip_eps_high"]), is_weights=w)
-                    loss = algos.aggregate(per_tok, mask, a["loss_agg"], denom)
-                    if use_kl:
-                        kl = algos.kl_penalty(logp, ref[key], a.get("kl_estimator", "k3"))
-                        loss = loss + float(a["kl_coef"]) * algos.aggregate(kl, mask, a["loss_agg"], denom)
-                        _acc(metrics_acc, "train/kl_ref", float((kl * mask).sum() / mask.sum().clamp(min=1)))
+                    loss, lm = algos.rl_loss(a, logp, old_logp, mb["rollout_logp"], mb["advantages"], mask, denom,
+                                             ref_logp=ref.get(key), entropy=ent, step_stats=step_stats)
                     loss.backward()
                     tokens += int(mb["attention_mask"].sum())
                     _acc(metrics_acc, "train/loss", loss.item())
-                    _acc(metrics_acc, "train/entropy", float((ent * mask).sum() / mask.sum().clamp(min=1)))
-                    for k, v in {**pm, **wm}.items():
+                    _acc(metrics_acc, "train/entropy", float((ent.detach() * mask).sum() / mask.sum().clamp(min=1)))
+                    for k, v in lm.items():
                         _acc(metrics_acc, k if "/" in k else f"train/{k}", v)
                 gn = torch.nn.utils.clip_grad_norm_(self.params, float(tcfg.get("grad_clip", 1.0)))
                 if torch.isfinite(gn):

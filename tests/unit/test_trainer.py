@@ -5,6 +5,9 @@ import copy
 import pytest
 import torch
 
+from omegaconf import OmegaConf
+
+from rlfp8.config import CONF_DIR
 from rlfp8.trainer.core import PolicyTrainer, Rollouts
 from rlfp8.trainer.hf_models import make_tiny_qwen3
 from rlfp8.trainer.logprobs import token_logprobs
@@ -19,7 +22,7 @@ def tiny(tmp_path_factory):
 def _cfg(**trainer):
     return {"seed": 0, "model": {"dtype": "float32"}, "adapter": {"rank": 4, "alpha": 8},
             "trainer": {"weights": "fp8", "lr": 1e-3, "micro_batch_tokens": 4096, "device": "cpu", **trainer},
-            "algo": {"temperature": 0.9, "loss_agg": "token-mean", "correction": "tis", "clip_eps_low": 0.2,
+            "algo": {**OmegaConf.to_container(OmegaConf.load(CONF_DIR / "algo" / "grpo.yaml")), "temperature": 0.9, "loss_agg": "token-mean", "correction": "tis", "clip_eps_low": 0.2,
                      "clip_eps_high": 0.28, "max_response_len": 12}}
 
 
@@ -109,5 +112,14 @@ def test_chunked_logprobs_match_dense_log_softmax():
     (dh,) = torch.autograd.grad(lp, h, g.float())
     (dh_ref,) = torch.autograd.grad(ref, h, g)
     assert rel_err(dh, dh_ref) < 1e-5
+    # the entropy's gradient (entropy bonus) against autograd through the dense entropy, alone and mixed
+    ge = torch.randn(37, dtype=torch.float64)
+    for wl, we in ((0.0, 1.0), (1.0, 1.0)):
+        lp, ent = token_logprobs(h, W, y, temperature=0.7, chunk_size=8, entropy=True)
+        (dh,) = torch.autograd.grad((wl * g.float() * lp).sum() + (we * ge.float() * ent).sum(), h)
+        dense = torch.log_softmax((h @ W.t()) / 0.7, -1)
+        ref, dense_ent = dense.gather(1, y[:, None])[:, 0], -(dense.exp() * dense).sum(-1)
+        (dh_ref,) = torch.autograd.grad((wl * g * ref).sum() + (we * ge * dense_ent).sum(), h)
+        assert rel_err(dh, dh_ref) < 1e-5
     with pytest.raises(ValueError, match="temperature"):
         token_logprobs(h, W, y, temperature=0.0)
