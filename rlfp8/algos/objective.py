@@ -61,8 +61,8 @@ def _weights(cfg, old_logp, rollout_logp, mask, step_stats=None):
 def batch_stats(cfg: dict, old_logp, rollout_logp, mask) -> dict[str, float]:
     """Additive sums of one micro-batch (``STAT_KEYS``): kept tokens, rows with >= 1 kept token,
     and the (sum, count) of the un-normalised correction weights (``correction.weight_sums``)."""
-    w, _, _ = importance_weights(old_logp, rollout_logp, mask, _get(cfg, "correction"),
-                                 cap=float(_get(cfg, "tis_cap")), low=_get(cfg, "tis_low"))
+    w, _ = importance_weights(old_logp, rollout_logp, mask, _get(cfg, "correction"),
+                               cap=float(_get(cfg, "tis_cap")), low=_get(cfg, "tis_low"))
     weight_sum, weight_count = weight_sums(w, mask, _get(cfg, "correction"))
     _, kept, _ = _weights(cfg, old_logp, rollout_logp, mask)
     return {"kept_tokens": float(kept.sum()), "kept_rows": float(kept.any(dim=1).sum()),
