@@ -16,14 +16,16 @@ each one function registered in ``CORRECTIONS``:
 - ``"seq_tis"``:       w_t = clamp(prod_t' rho_t', L, C) = clamp(exp(sum_t' log rho_t'), L, C) on every
   token of the row. verl ``rollout_is=sequence``; TRL ``sequence_truncate``; SkyRL sequence TIS.
 - ``"token_mask"``:    w_t = rho_t * 1[L <= rho_t <= C], L = None: 1/C. TRL ``token_mask``
-  (clip_min=L, clip_max=C); OpenRLHF ``icepop``; verl IcePop = ``rollout_is=token`` (threshold
-  >= C, so no truncation inside the band) + ``rollout_rs=token_k1`` (whose bounds are on 1/rho, see
-  ``rlfp8.algos.rejection``: verl "L_C" equals this mode with low=1/C, cap=1/L).
+  (clip_min=L, clip_max=C); OpenRLHF ``icepop``; verl's IcePop = ``rollout_is=token`` (threshold
+  >= C, so no truncation inside the band) + ``rollout_rs=token_k1`` whose bounds are on 1/rho
+  (``rlfp8.algos.rejection``): verl's threshold "a_b" keeps 1/b <= rho <= 1/a, i.e. this mode with
+  low=1/b, cap=1/a (the same band when a = 1/b), plus ``drop_rejected_from_denominator=true``.
 - ``"sequence_mask"``: w_t = rho_seq * 1[L <= rho_seq <= C], rho_seq = exp(sum_t' log rho_t'), L = None:
   1/C. TRL ``sequence_mask`` (its default mode); the product ratio keeps its value.
 - ``"seq_geo_mask"``:  w_t = 1[L <= exp(mean_t' log rho_t') <= C] (0/1), the geometric-mean ratio,
-  L = None: 1/C. SkyRL geo mask; verl ``rollout_rs=seq_mean_k1`` with ``rollout_is=null`` (bounds
-  on 1/rho there). rlfp8's ``seq_mask`` before issue 20.
+  L = None: 1/C. SkyRL geo mask; verl ``rollout_rs=seq_mean_k1`` with ``rollout_is=null`` ("a_b"
+  there bounds the geometric mean of 1/rho: low=1/b, cap=1/a here). rlfp8's ``seq_mask`` before
+  issue 20.
 
 Log ratios (and, for seq modes, their per-sequence sum / mean) are clamped to +-20 before exp
 (verl's SAFETY_BOUND; TRL does not clamp: equal wherever |log rho| < 20). Sums and means run over
@@ -35,11 +37,13 @@ over sequences of the row weight.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .losses import LOG_RATIO_CLAMP, _bool_mask, _check_bt
 
-CORRECTIONS: dict[str, callable] = {}
+CORRECTIONS: dict[str, Callable] = {}
 SEQUENCE_LEVEL = ("seq_tis", "sequence_mask", "seq_geo_mask")    # one weight per row
 RENAMED = {"seq_mask": "'seq_mask' was split in two: 'seq_geo_mask' (its old meaning: geometric-mean ratio, "
                        "0/1 weights) and 'sequence_mask' (TRL's: product ratio, weight rho_seq)"}
