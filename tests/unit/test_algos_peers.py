@@ -563,3 +563,20 @@ def test_config_accepts_the_new_options():
                    "algo.clip_ratio_c=null", "algo.kl_estimator=k3+", "algo.scale_rewards=batch"])
     assert cfg.algo.policy_loss == "gspo" and cfg.algo.clip_ratio_c is None
     assert compose(["model=tiny"]).algo.clip_ratio_c == 3.0                  # dual-clip on by default (verl)
+
+
+def test_token_mask_equals_verl_icepop_with_asymmetric_bounds():
+    # verl IcePop: rollout_is=token (threshold above the band) + rollout_rs=token_k1 "a_b" (keeps
+    # a <= 1/rho <= b, rejected tokens leave response_mask) == token_mask low=1/b, cap=1/a, dropped
+    logp, old, rollout, _, adv, mask = _case(13)
+    a, b = 0.6, 1.25
+    cfg = _cfg(correction="token_mask", tis_low=1 / b, tis_cap=1 / a, drop_rejected_from_denominator=True,
+               clip_ratio_c=3.0)
+    st = algos.batch_stats(cfg, old, rollout, mask)
+    ours, _ = algos.rl_loss(cfg, logp, old, rollout, adv, mask, algos.loss_denominator(cfg, mask, 9, 1, st))
+    response_mask = verl_rs_mask(old - rollout, mask, "token_k1", a, b)
+    w = verl_is_weights(old - rollout, mask, "token", 100.0)
+    peer = verl_agg_loss(verl_vanilla(old, logp, adv, 0.2, 0.2, 3.0) * w, response_mask, "token-mean")
+    assert 0 < int(response_mask.sum()) < int(mask.sum())
+    _close(ours, peer)
+    _close(_grad(ours, logp), _grad(peer, logp))
