@@ -48,10 +48,13 @@ def choices() -> dict[str, tuple]:
         "trainer.kernels": BACKENDS,
         "trainer.device": ("auto", "cpu", "cuda"),
         "placement.name": tuple(STRATEGIES),
-        "algo.advantage": algos.ESTIMATORS,
-        "algo.loss_agg": algos.AGG_MODES,
-        "algo.correction": algos.CORRECTION_MODES,
-        "algo.kl_estimator": algos.KL_ESTIMATORS,
+        "algo.advantage": tuple(algos.ESTIMATORS),
+        "algo.scale_rewards": tuple(algos.SCALE_REWARDS),
+        "algo.policy_loss": tuple(algos.POLICY_LOSSES),
+        "algo.loss_agg": tuple(algos.AGG_MODES),
+        "algo.correction": tuple(algos.CORRECTIONS),
+        "algo.rollout_rs": (None,) + tuple(algos.ROLLOUT_RS_OPTIONS),
+        "algo.kl_estimator": tuple(algos.KL_ESTIMATORS),
         "adapter.type": ADAPTER_TYPES,
         "logger.wandb.mode": WANDB_MODES,
     }
@@ -186,6 +189,9 @@ def validate(cfg: DictConfig) -> None:
 
 
 def _check_values(cfg: DictConfig) -> None:
+    from rlfp8.algos import RENAMED_CORRECTIONS
+    if _get(cfg, "algo.correction") in RENAMED_CORRECTIONS:
+        raise ConfigError(f"algo.correction={cfg.algo.correction!r}: {RENAMED_CORRECTIONS[cfg.algo.correction]}")
     for key, allowed in choices().items():
         v = _get(cfg, key)
         if v not in allowed:
@@ -202,8 +208,7 @@ def _check_values(cfg: DictConfig) -> None:
 
 
 def _check_rules(cfg: DictConfig) -> None:
-    if cfg.algo.clip_eps_low < 0 or cfg.algo.clip_eps_high < 0:
-        raise ConfigError("algo.clip_eps_low / algo.clip_eps_high must be >= 0")
+    _validate_algo(cfg.algo)
     if cfg.model.path in (None, "???"):
         raise ConfigError("model.path is not set: a local HF folder, a hub id, 'tiny' or gguf:smollm2-135m-instruct")
     if not cfg.adapter.target_modules:
@@ -237,6 +242,42 @@ def _check_available(cfg: DictConfig) -> None:
         if all(_get(cfg, k) == v for k, v in entry.when.items()):
             if entry.reason != NEEDS_CUDA or not cuda_available():
                 raise ConfigError(entry.message())
+
+
+def _number(a: DictConfig, key: str, ok, rule: str, nullable: bool = False) -> None:
+    v = a[key]
+    if v is None and nullable:
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+        raise ConfigError(f"algo.{key}={v!r}: must be {rule}")
+
+
+def _validate_algo(a: DictConfig) -> None:
+    """Ranges and combinations of the algo keys (allowed choice values: CHOICES)."""
+    _number(a, "clip_eps_low", lambda v: 0 <= v <= 1, "a number in [0, 1]")
+    _number(a, "clip_eps_high", lambda v: v >= 0, "a number >= 0")
+    _number(a, "clip_ratio_c", lambda v: v > 1, "a number > 1 (verl's dual-clip bound) or null (off)", nullable=True)
+    _number(a, "std_eps", lambda v: v >= 0, "a number >= 0")
+    _number(a, "tis_low", lambda v: 0 <= v <= a.tis_cap, f"null or a number in [0, algo.tis_cap={a.tis_cap}]",
+            nullable=True)
+    for key in ("kl_coef", "entropy_coeff"):
+        _number(a, key, lambda v: v >= 0, "a number >= 0")
+    for key in ("rollout_is_batch_normalize", "drop_rejected_from_denominator", "use_bias_correction_kl"):
+        if not isinstance(a[key], bool):
+            raise ConfigError(f"algo.{key}={a[key]!r}: must be true or false")
+    if a.scale_rewards != "group" and a.advantage != "grpo":
+        raise ConfigError(f"algo.scale_rewards={a.scale_rewards!r} applies to algo.advantage=grpo only "
+                          f"(got algo.advantage={a.advantage!r})")
+    if a.rollout_is_batch_normalize and a.correction == "none":
+        raise ConfigError("algo.rollout_is_batch_normalize=true needs a weighting algo.correction (not 'none')")
+    if a.rollout_rs is not None:
+        from rlfp8.algos import parse_rollout_rs_threshold
+        try:
+            parse_rollout_rs_threshold(a.rollout_rs, a.rollout_rs_threshold)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    elif a.rollout_rs_threshold is not None:
+        raise ConfigError(f"algo.rollout_rs_threshold={a.rollout_rs_threshold!r} is set but algo.rollout_rs is null")
 
 
 def to_dict(cfg: DictConfig) -> dict[str, Any]:

@@ -185,7 +185,7 @@ def score(r: Run, examples, prompt_ids, samples):
     rewards = batch_score([s.text for s in samples], [examples[s.prompt_index].answer for s in samples],
                           r.train_stream.reward_kind)
     adv = algos.compute_advantages(torch.tensor(rewards), algo_cfg["group_size"], algo_cfg["advantage"],
-                                   algo_cfg["std_eps"])
+                                   algo_cfg["std_eps"], algo_cfg["scale_rewards"])
     batch = Rollouts(input_ids=[prompt_ids[s.prompt_index] + s.token_ids for s in samples],
                      prompt_lens=[len(prompt_ids[s.prompt_index]) for s in samples],
                      rollout_logprobs=[s.logprobs for s in samples], advantages=adv.tolist())

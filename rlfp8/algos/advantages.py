@@ -14,6 +14,10 @@ Estimators (n = group_size, r_i one sample's scalar reward, mu_g / sigma_g over 
 - ``"rloo"``:   A_i = r_i - mean_{j != i} r_j = (r_i - mu_g) * n / (n - 1). Matches verl
   ``compute_rloo_outcome_advantage`` and OpenRLHF ``rloo``.
 
+``scale_rewards`` (TRL's key; grpo only) picks sigma: ``"group"`` (default) sigma_g as above,
+``"batch"`` the Bessel std of all B rewards of the step (TRL ``scale_rewards="batch"``:
+A_i = (r_i - mu_g) / (std(r_1..r_B) + eps)), ``"none"`` no division (TRL ``"none"``, = drgrpo).
+
 Singleton groups (n = 1) follow verl: mu = 0 and sigma = 1, so grpo gives r / (1 + eps), drgrpo
 gives r, and rloo (no other member to leave out) gives r.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import torch
 
 ESTIMATORS = ("grpo", "drgrpo", "rloo")
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 def compute_advantages(
@@ -29,14 +34,21 @@ def compute_advantages(
     group_size: int,
     estimator: str = "grpo",
     std_eps: float = 1e-6,
+    scale_rewards: str = "group",
 ) -> torch.Tensor:              # [B], same dtype as rewards (float32 if rewards are not float)
     """Per-sample advantages from per-sample scalar rewards; see the module docstring for formulas.
 
     Raises ValueError for a non-1-D ``rewards``, ``group_size`` < 1 or not dividing B, an unknown
-    ``estimator`` or a negative ``std_eps``. The result is detached (rewards carry no gradient).
+    ``estimator`` or ``scale_rewards`` (not "group" with an estimator other than grpo) or a
+    negative ``std_eps``. The result is detached (rewards carry no gradient).
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"compute_advantages: estimator={estimator!r}; allowed values are {ESTIMATORS}")
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"compute_advantages: scale_rewards={scale_rewards!r}; allowed values are {SCALE_REWARDS}")
+    if scale_rewards != "group" and estimator != "grpo":
+        raise ValueError(f"compute_advantages: scale_rewards={scale_rewards!r} applies to estimator='grpo' only, "
+                         f"got estimator={estimator!r}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"compute_advantages: group_size must be an int >= 1, got {group_size!r}")
     if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1:
@@ -56,16 +68,16 @@ def compute_advantages(
     n = group_size
     grouped = r.reshape(-1, n)                                   # [P, n]
     if n == 1:                                                   # verl: mu = 0, sigma = 1
-        if estimator == "grpo":
-            return (grouped / (1.0 + std_eps)).reshape(-1)
-        return grouped.reshape(-1).clone()
-
-    mean = grouped.mean(dim=1, keepdim=True)                     # [P, 1]
-    centred = grouped - mean                                     # [P, n]
+        centred, group_std = grouped, torch.ones_like(grouped)
+    else:
+        centred = grouped - grouped.mean(dim=1, keepdim=True)    # [P, n]
+        group_std = grouped.std(dim=1, keepdim=True, correction=1)   # [P, 1], Bessel as torch.std
     if estimator == "grpo":
-        std = grouped.std(dim=1, keepdim=True, correction=1)     # [P, 1], Bessel as torch.std
+        if scale_rewards == "none":
+            return centred.reshape(-1).clone()
+        std = group_std if scale_rewards == "group" else (r.std(correction=1) if r.numel() > 1 else r.new_zeros(()))
         adv = centred / (std + std_eps)
-    elif estimator == "drgrpo":
+    elif estimator == "drgrpo" or n == 1:                        # rloo singleton: nothing to leave out
         adv = centred
     else:  # rloo: r_i - (sum_g - r_i)/(n-1) = (r_i - mu) * n/(n-1)
         adv = centred * (n / (n - 1))

@@ -1,46 +1,41 @@
-"""PPO-clip policy loss (with clip-higher and importance weights) and loss aggregation.
+"""Policy loss wrapper (importance weights, masking, shared metrics) and loss aggregation.
 
 Shapes: B sequences (rows) of T response positions; ``mask`` [B, T] (bool or 0/1 float) marks the
 sampled response tokens that count. Padding positions may hold anything finite or not: every
 function here selects with ``torch.where`` so padding never leaks NaN into values or gradients.
 
-Per-token loss (``policy_loss_terms``), with rho_t = exp(logp_t - old_logp_t) and A the sequence's
-advantage:
-
-    l_t = -min(rho_t * A, clip(rho_t, 1 - eps_low, 1 + eps_high) * A) * w_t
-
-where w_t are the detached importance weights (TIS / masks from ``rlfp8.algos.correction``)
-multiplying the clipped surrogate, the placement of verl (``pg_losses * rollout_is_weights``),
-FlashRL, SkyRL, slime and NeMo-RL. eps_high > eps_low is DAPO's clip-higher. The log-ratio is clamped
-to +-20 before exp, as verl does.
+Per-token loss (``policy_loss_terms``): l_t * w_t, with l_t one of ``rlfp8.algos.policy``'s losses
+(vanilla PPO clip with optional dual-clip, GSPO, CISPO) and w_t the detached importance weights
+(``rlfp8.algos.correction``) multiplying it: the placement of verl (``pg_losses *
+rollout_is_weights``), TRL, FlashRL, SkyRL, slime and NeMo-RL.
 
 Aggregation (``aggregate`` + ``aggregation_denominator``), for a mini-batch (one optimizer step)
-split into micro-batches (gradient accumulation):
+split into micro-batches (gradient accumulation); S_b = sum_t m l of row b:
 
-- ``"token-mean"``:               sum_{b,t} m l / N_tok(mini-batch)
+- ``"token-mean"``:               sum_b S_b / N_tok(mini-batch)
   (verl default ``token-mean``; TRL ``dapo``; OpenRLHF; nanochat).
-- ``"seq-mean-token-mean"``:      sum_b [sum_t m l / N_tok(b)] / N_seq(mini-batch)
+- ``"seq-mean-token-mean"``:      sum_b [S_b / N_tok(b)] / N_seq(mini-batch)
   (original GRPO; verl ``seq-mean-token-mean``; TRL ``grpo``). N_seq counts rows with >= 1 token.
-- ``"seq-mean-token-sum-norm"``:  sum_{b,t} m l / (B(mini-batch) * max_response_len)
+- ``"seq-mean-token-sum"``:       sum_b S_b / N_seq(mini-batch)   (verl ``seq-mean-token-sum``).
+- ``"seq-mean-token-sum-norm"``:  sum_b S_b / (B(mini-batch) * max_response_len)
   (Dr.GRPO; verl ``seq-mean-token-sum-norm``; TRL ``dr_grpo``). B counts all rows: a constant.
+- ``"bnpo"``:                     [sum_b S_b / N_tok(micro-batch)] / K   (TRL ``bnpo``: the token
+  mean of each micro-batch, divided by the number K of micro-batches of the mini-batch).
 
-Gradient-accumulation invariance: the denominator is computed ONCE from the mask of the whole
-mini-batch (``aggregation_denominator``) and every micro-batch's numerator is a plain sum over its
-own rows, so
-
-    sum_k aggregate(l[k], mask[k], mode, denom) == aggregate(l, mask, mode, denom)
-
-for any split of the mini-batch's rows into micro-batches: call ``backward()`` on each
-micro-batch's ``aggregate`` with no extra re-weighting and the accumulated gradient is the
-mini-batch gradient. (A per-micro-batch mean would weight a short micro-batch's tokens more.)
+Gradient-accumulation invariance (all modes but bnpo, which is by definition a mean of
+micro-batch means): the denominator is computed ONCE from the mask of the whole mini-batch
+(``aggregation_denominator``) and every micro-batch's numerator is a plain sum over its own rows,
+so ``sum_k aggregate(l[k], mask[k], mode, denom) == aggregate(l, mask, mode, denom)`` for any
+split of the rows: call ``backward()`` on each micro-batch's share and the accumulated gradient is
+the mini-batch gradient. (A per-micro-batch mean would weight a short micro-batch's tokens more.)
 """
 from __future__ import annotations
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from .policy import LOG_RATIO_CLAMP, POLICY_LOSSES
 
-LOG_RATIO_CLAMP = 20.0
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "bnpo")
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,61 +98,58 @@ def policy_loss_terms(
     clip_eps_low: float = 0.2,
     clip_eps_high: float = 0.2,
     is_weights: torch.Tensor | None = None,  # [B, T] importance weights (detached here)
+    loss: str = "vanilla",                   # a key of POLICY_LOSSES (rlfp8.algos.policy)
+    clip_ratio_c: float | None = None,       # dual-clip bound (vanilla only), > 1
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate per token (see the module docstring for the formula).
+    """Per-token policy loss ``l_t * w_t`` (formulas in ``rlfp8.algos.policy``), 0 outside ``mask``.
 
-    Returns ``(per_token_loss [B, T], metrics)``; per_token_loss is 0 outside ``mask`` (both value
-    and gradient). Metrics, python floats over masked tokens (0.0 for an empty mask):
-
-    - ``policy/clip_frac_low``:  A < 0 and rho < 1 - eps_low (the clip is active, no gradient);
-    - ``policy/clip_frac_high``: A > 0 and rho > 1 + eps_high;
-    - ``policy/clip_frac``: their sum (verl ``pg_clipfrac``: the clipped term is the larger loss);
-    - ``policy/ratio_mean``, ``policy/ratio_max``: rho;
-    - ``policy/approx_kl``: mean(old_logp - logp), the k1 estimate of KL(pi_old || pi_theta)
-      (verl ``ppo_kl``); ``policy/approx_kl_k3``: mean(rho - 1 - log rho), the same KL by k3.
+    Returns ``(per_token_loss [B, T], metrics)`` (value and gradient 0 outside ``mask``). Metrics,
+    python floats over masked tokens (0.0 for an empty mask): the loss's clip fractions
+    (``policy/clip_frac_low``: A < 0 and r < 1 - eps_low; ``policy/clip_frac_high``: A > 0 and
+    r > 1 + eps_high; ``policy/clip_frac`` their sum, verl ``pg_clipfrac``), and for every loss
+    ``policy/ratio_mean``, ``policy/ratio_max`` (token r = pi_theta / pi_old),
+    ``policy/approx_kl`` = mean(old_logp - logp) (k1 of KL(pi_old || pi_theta), verl ``ppo_kl``) and
+    ``policy/approx_kl_k3`` = mean(r - 1 - log r).
     """
     fn = "policy_loss_terms"
     B, _ = _check_bt(fn, logp=logp, old_logp=old_logp, mask=mask, is_weights=is_weights)
     if not isinstance(advantages, torch.Tensor) or tuple(advantages.shape) != (B,):
         shape = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
         raise ValueError(f"{fn}: advantages must be a tensor of shape [B]=({B},), got {shape}")
-    if not (0.0 <= clip_eps_low < 1.0):
-        raise ValueError(f"{fn}: clip_eps_low must be in [0, 1), got {clip_eps_low!r}")
+    if loss not in POLICY_LOSSES:
+        raise ValueError(f"{fn}: loss={loss!r}; allowed values are {tuple(POLICY_LOSSES)}")
+    if not (0.0 <= clip_eps_low <= 1.0):
+        raise ValueError(f"{fn}: clip_eps_low must be in [0, 1], got {clip_eps_low!r}")
     if not (clip_eps_high >= 0.0):
         raise ValueError(f"{fn}: clip_eps_high must be >= 0, got {clip_eps_high!r}")
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"{fn}: clip_ratio_c must be None or > 1 (verl's dual-clip bound), got {clip_ratio_c!r}")
 
     valid = _bool_mask(mask)                                           # [B, T] bool
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    log_ratio = torch.where(valid, logp - old_logp.detach(), zero)     # [B, T]
-    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)                                       # [B, T]
     adv = advantages.detach().to(logp.dtype)[:, None]                  # [B, 1]
-
-    surr1 = -adv * ratio                                               # [B, T]
-    surr2 = -adv * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)
-    loss = torch.maximum(surr1, surr2)                                 # [B, T] = -min(rho A, clip A)
+    per_token, metrics = POLICY_LOSSES[loss](logp, old_logp.detach(), adv, valid, clip_eps_low, clip_eps_high,
+                                             clip_ratio_c=clip_ratio_c)
     if is_weights is not None:
-        loss = loss * is_weights.detach().to(loss.dtype)
-    per_token = torch.where(valid, loss, zero)                         # [B, T]
+        per_token = per_token * is_weights.detach().to(per_token.dtype)
+    per_token = torch.where(valid, per_token, zero)                    # [B, T]
+    metrics.update(_ratio_metrics(logp, old_logp, valid))
+    return per_token, metrics
 
+
+def _ratio_metrics(logp: torch.Tensor, old_logp: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
     with torch.no_grad():
         n = valid.sum()
         inv_n = 1.0 / n.clamp(min=1).to(torch.float64)
-        r = ratio.detach().to(torch.float64)
-        lr = log_ratio.detach().to(torch.float64)
-        a = adv.detach().to(torch.float64).expand_as(r)
-        low = valid & (a < 0) & (r < 1.0 - clip_eps_low)
-        high = valid & (a > 0) & (r > 1.0 + clip_eps_high)
-        metrics = {
-            "policy/clip_frac_low": _f(low.sum() * inv_n),
-            "policy/clip_frac_high": _f(high.sum() * inv_n),
-            "policy/clip_frac": _f((low | high).sum() * inv_n),
-            "policy/ratio_mean": _f(torch.where(valid, r, 0.0).sum() * inv_n),
-            "policy/ratio_max": _f(torch.where(valid, r, 0.0).max()) if bool(n > 0) else 0.0,
-            "policy/approx_kl": _f(torch.where(valid, -lr, 0.0).sum() * inv_n),
+        lr = torch.where(valid, logp.detach().double() - old_logp.detach().double(), 0.0)
+        lr = lr.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        r = torch.where(valid, torch.exp(lr), 0.0)
+        return {
+            "policy/ratio_mean": _f(r.sum() * inv_n),
+            "policy/ratio_max": _f(r.max()) if bool(n > 0) else 0.0,
+            "policy/approx_kl": _f(-lr.sum() * inv_n),
             "policy/approx_kl_k3": _f(torch.where(valid, r - 1.0 - lr, 0.0).sum() * inv_n),
         }
-    return per_token, metrics
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,13 +164,15 @@ def aggregation_denominator(
     mask: torch.Tensor,                  # [B, T] mask of the WHOLE mini-batch (all micro-batches)
     mode: str,
     max_response_len: int | None = None,
+    num_micro_batches: int = 1,
 ) -> float:
     """The mini-batch constant that ``aggregate`` divides by (module docstring):
 
     - ``token-mean``: number of masked tokens of the mini-batch (at least 1);
-    - ``seq-mean-token-mean``: number of rows with >= 1 masked token (at least 1);
+    - ``seq-mean-token-mean`` / ``seq-mean-token-sum``: rows with >= 1 masked token (at least 1);
     - ``seq-mean-token-sum-norm``: B * max_response_len (``max_response_len`` required, > 0:
-      the generation limit, not the longest sample, so the normaliser is a run constant).
+      the generation limit, not the longest sample, so the normaliser is a run constant);
+    - ``bnpo``: ``num_micro_batches`` (each micro-batch's token mean is divided by it).
 
     For data-parallel training sum the counts over ranks before dividing (not needed colocated).
     """
@@ -188,8 +182,12 @@ def aggregation_denominator(
     valid = _bool_mask(mask)
     if mode == "token-mean":
         return max(float(torch.where(valid, _float_mask(mask), 0.0).sum().item()), 1.0)
-    if mode == "seq-mean-token-mean":
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
         return float(max(int(valid.any(dim=1).sum().item()), 1))
+    if mode == "bnpo":
+        if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 1:
+            raise ValueError(f"{fn}: num_micro_batches must be an int >= 1, got {num_micro_batches!r}")
+        return float(num_micro_batches)
     if max_response_len is None or isinstance(max_response_len, bool) or not max_response_len > 0:
         raise ValueError(
             f"{fn}: mode='seq-mean-token-sum-norm' needs max_response_len > 0 (the generation "
@@ -206,8 +204,8 @@ def aggregate(
 ) -> torch.Tensor:             # scalar
     """This micro-batch's share of the mini-batch loss; shares sum to the mini-batch loss.
 
-    token-mean and seq-mean-token-sum-norm: sum_{b,t} m l / denom; seq-mean-token-mean:
-    sum_b (sum_t m l / N_tok(b)) / denom (rows without tokens contribute 0).
+    seq-mean-token-mean: sum_b (sum_t m l / N_tok(b)) / denom (rows without tokens contribute 0);
+    bnpo: (sum_{b,t} m l / N_tok(micro-batch)) / denom; the others: sum_{b,t} m l / denom.
     """
     fn = "aggregate"
     _check_mode(fn, mode)
@@ -220,4 +218,6 @@ def aggregate(
     if mode == "seq-mean-token-mean":
         tok_per_seq = m.sum(dim=1).clamp(min=1.0)                     # [b]
         return (masked.sum(dim=1) / tok_per_seq).sum() / denom
+    if mode == "bnpo":
+        return masked.sum() / torch.where(valid, m, 0.0).sum().clamp(min=1.0) / denom
     return masked.sum() / denom

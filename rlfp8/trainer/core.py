@@ -139,41 +139,39 @@ class PolicyTrainer(TrainerInterface):
         n_mini = max(1, min(int(tcfg["mini_batches"]), n))
         on_policy = n_mini == 1 and int(tcfg["epochs"]) == 1
         use_kl = float(algo_cfg["kl_coef"]) > 0
-        plan = []
+        need_stats = algos.needs_batch_stats(algo_cfg)     # batch-normalised weights / kept-token denominators
+        minis = []
         for k in range(n_mini):
             rows = list(range(n))[k::n_mini]
-            resp_lens = torch.tensor([lengths[i] - batch.prompt_lens[i] for i in rows])
-            mini_mask = torch.arange(int(resp_lens.max()))[None, :] < resp_lens[:, None]      # [b, T]
-            denom = algos.aggregation_denominator(mini_mask, algo_cfg["loss_agg"], int(algo_cfg["max_response_len"]))
-            mbs = [self._collate(batch, mb_rows) for mb_rows in self._micro_batches(rows, lengths)]
-            plan.append(MiniBatch(mbs, denom))
-        if not on_policy or use_kl:
+            minis.append((rows, [self._collate(batch, mb_rows) for mb_rows in self._micro_batches(rows, lengths)]))
+        if not on_policy or use_kl or need_stats:
             with torch.no_grad():
-                for mb in (mb for mini in plan for mb in mini.micro_batches):
-                    if not on_policy:
+                for mb in (mb for _, mbs in minis for mb in mbs):
+                    if not on_policy or need_stats:
                         mb["old_logp"] = self._logp(mb)
+                    if need_stats:
+                        mb["stats"] = algos.batch_stats(algo_cfg, mb["old_logp"], mb["rollout_logp"], mb["mask"])
                     if use_kl:
                         with adapters_disabled(self.model):
                             mb["ref_logp"] = self._logp(mb)
+        self._step_stats = algos.sum_stats(mb["stats"] for _, mbs in minis for mb in mbs) if need_stats else None
+        plan = []
+        for rows, mbs in minis:
+            resp_lens = torch.tensor([lengths[i] - batch.prompt_lens[i] for i in rows])
+            mini_mask = torch.arange(int(resp_lens.max()))[None, :] < resp_lens[:, None]      # [b, T]
+            mini_stats = algos.sum_stats(mb["stats"] for mb in mbs) if need_stats else None
+            denom = algos.loss_denominator(algo_cfg, mini_mask, int(algo_cfg["max_response_len"]), len(mbs), mini_stats)
+            plan.append(MiniBatch(mbs, denom))
         return plan
 
-    def _policy_loss(self, mb: dict, logp: torch.Tensor, old_logp: torch.Tensor,
+    def _policy_loss(self, mb: dict, logp: torch.Tensor, old_logp: torch.Tensor, entropy: torch.Tensor,
                      denom: float) -> tuple[torch.Tensor, dict[str, float]]:
-        """The loss of one micro-batch (normalised by the mini-batch's denominator) and its metrics."""
-        algo_cfg = self.cfg["algo"]
-        mask, metrics = mb["mask"], {}
-        w, wm = algos.importance_weights(old_logp, mb["rollout_logp"], mask, mode=algo_cfg["correction"],
-                                         cap=float(algo_cfg["tis_cap"]), low=algo_cfg["tis_low"])
-        per_tok, pm = algos.policy_loss_terms(logp, old_logp, mb["advantages"], mask,
-                                              clip_eps_low=float(algo_cfg["clip_eps_low"]),
-                                              clip_eps_high=float(algo_cfg["clip_eps_high"]), is_weights=w)
-        loss = algos.aggregate(per_tok, mask, algo_cfg["loss_agg"], denom)
-        if "ref_logp" in mb:
-            kl = algos.kl_penalty(logp, mb["ref_logp"], algo_cfg["kl_estimator"])
-            loss = loss + float(algo_cfg["kl_coef"]) * algos.aggregate(kl, mask, algo_cfg["loss_agg"], denom)
-            metrics["train/kl_ref"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
-        metrics.update({k if "/" in k else f"train/{k}": v for k, v in {**pm, **wm}.items()})
-        return loss, metrics
+        """The loss of one micro-batch (normalised by the mini-batch's denominator) and its metrics: one call
+        into rlfp8.algos (policy loss, correction, rejection, KL, entropy bonus)."""
+        loss, metrics = algos.rl_loss(self.cfg["algo"], logp, old_logp, mb["rollout_logp"], mb["advantages"],
+                                      mb["mask"], denom, ref_logp=mb.get("ref_logp"), entropy=entropy,
+                                      step_stats=self._step_stats)
+        return loss, {k if "/" in k else f"train/{k}": v for k, v in metrics.items()}
 
     # ------------------------------------------------------------------ the update
     def forward_backward(self, mini_batch: MiniBatch) -> dict[str, list[float]]:
@@ -185,13 +183,11 @@ class PolicyTrainer(TrainerInterface):
             mask = mb["mask"]
             if mini_batch.mismatch is not None:      # mismatch of pi_old vs the engine, once per sequence
                 mini_batch.mismatch.append((old_logp.detach(), mb["rollout_logp"], mask))
-            loss, metrics = self._policy_loss(mb, logp, old_logp, mini_batch.denominator)
+            loss, metrics = self._policy_loss(mb, logp, old_logp, ent, mini_batch.denominator)
             loss.backward()
-            if "train/kl_ref" in metrics:
-                _acc(acc, "train/kl_ref", metrics.pop("train/kl_ref"))
             _acc(acc, "train/tokens", int(mb["attention_mask"].sum()))
             _acc(acc, "train/loss", loss.item())
-            _acc(acc, "train/entropy", float((ent * mask).sum() / mask.sum().clamp(min=1)))
+            _acc(acc, "train/entropy", float((ent.detach() * mask).sum() / mask.sum().clamp(min=1)))
             for k, v in metrics.items():
                 _acc(acc, k, v)
         return acc

@@ -6,6 +6,10 @@ Function saves only the hidden states and recomputes each chunk's logits in back
 extra memory is one [chunk, V] block in fp32, in forward and backward alike.
 
     z = (h @ W^T) / T ;  logp = z[y] - logsumexp(z) ;  d logp / dz = onehot(y) - softmax(z)
+    H = logsumexp(z) - sum(p z) ;  d H / dz = -p (z - sum(p z))      (p = softmax(z))
+
+The entropy has a gradient (the entropy bonus, algo.entropy_coeff); backward adds its term only
+when the entropy reaches the loss.
 
 The lm_head weight is frozen (only adapters train), so backward produces dh only.
 """
@@ -23,7 +27,7 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> 
 class ChunkedTokenLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature: float, chunk_size: int, want_entropy: bool):
-        # hidden [n, D], weight [V, D], targets [n] int64 -> logp [n] fp32, entropy [n] fp32 (no grad)
+        # hidden [n, D], weight [V, D], targets [n] int64 -> logp [n] fp32, entropy [n] fp32
         n = hidden.shape[0]
         logp = hidden.new_empty(n, dtype=torch.float32)
         ent = hidden.new_zeros(n, dtype=torch.float32)
@@ -36,19 +40,29 @@ class ChunkedTokenLogProbs(torch.autograd.Function):
                 ent[s:s + chunk_size] = lse - (p * z).sum(-1)
         ctx.save_for_backward(hidden, weight, targets)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        ctx.mark_non_differentiable(ent)
+        ctx.set_materialize_grads(False)          # dlogp / dent arrive as None when unused
+        if not want_entropy:
+            ctx.mark_non_differentiable(ent)
         return logp, ent
 
     @staticmethod
-    def backward(ctx, dlogp, _dent):
+    def backward(ctx, dlogp, dent):
         hidden, weight, targets = ctx.saved_tensors
         T, c = ctx.temperature, ctx.chunk_size
+        if dlogp is None and dent is None:
+            return None, None, None, None, None, None
         dh = torch.empty_like(hidden)
         for s in range(0, hidden.shape[0], c):
             z = _chunk_logits(hidden[s:s + c], weight, T)
-            dz = -torch.softmax(z, dim=-1)                                   # [c, V]
-            dz.scatter_add_(1, targets[s:s + c, None], torch.ones_like(dz[:, :1]))
-            dz *= dlogp[s:s + c, None] / T
+            p = torch.softmax(z, dim=-1)                                     # [c, V]
+            dz = torch.zeros_like(p)
+            if dlogp is not None:
+                dz = -p
+                dz.scatter_add_(1, targets[s:s + c, None], torch.ones_like(dz[:, :1]))
+                dz *= dlogp[s:s + c, None]
+            if dent is not None:
+                dz -= p * (z - (p * z).sum(-1, keepdim=True)) * dent[s:s + c, None]
+            dz /= T
             dh[s:s + c] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
         return dh, None, None, None, None, None
 

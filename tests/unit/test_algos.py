@@ -314,11 +314,13 @@ def test_seq_tis():
 
 def test_token_mask():
     old, rollout, mask = _corr_case()
-    # cap 2, low = 1/2: keep rho in [.5, 2]: row0 [0, 1, 0]; row1 [1, 1, pad 1]
+    # cap 2, low = 1/2: kept tokens (rho in [.5, 2]) weigh rho (issue 20: TRL token_mask / icepop),
+    # masked ones 0: row0 [0, 1, 0]; row1 [1.5, .8, pad 1]
     w, m = importance_weights(old, rollout, mask, "token_mask", cap=2.0)
-    close(w, [[0.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    close(w, [[0.0, 1.0, 0.0], [1.5, 0.8, 1.0]])
     assert m["correction/mask_frac"] == pytest.approx(2 / 5)
-    assert m["correction/weight_mean"] == pytest.approx(3 / 5)
+    # (0 + 1 + 0 + 1.5 + .8) / 5
+    assert m["correction/weight_mean"] == pytest.approx(3.3 / 5)
 
 
 def test_seq_mask_geometric_mean_over_masked_tokens():
@@ -326,13 +328,13 @@ def test_seq_mask_geometric_mean_over_masked_tokens():
     # geo means: row0 .75^(1/3) = 0.90856; row1 1.2^(1/2) = 1.09545 (over its 2 valid tokens;
     # dividing by T=3 would give 1.2^(1/3) = 1.0627 and fail the check below).
     # [low, cap] = [1.08, 1.2]: row0 masked, row1 kept.
-    w, m = importance_weights(old, rollout, mask, "seq_mask", cap=1.2, low=1.08)
+    w, m = importance_weights(old, rollout, mask, "seq_geo_mask", cap=1.2, low=1.08)
     close(w, [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
     assert m["correction/seq_mask_frac"] == pytest.approx(0.5)
     assert m["correction/mask_frac"] == pytest.approx(3 / 5)
     assert m["correction/weight_mean"] == pytest.approx(2 / 5)
     # default low = 1/cap: cap 2 -> [.5, 2] keeps both rows
-    w, m = importance_weights(old, rollout, mask, "seq_mask", cap=2.0)
+    w, m = importance_weights(old, rollout, mask, "seq_geo_mask", cap=2.0)
     close(w, [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
     assert m["correction/seq_mask_frac"] == 0.0
 
@@ -344,7 +346,8 @@ def test_log_ratio_clamped_at_20():
     rollout = torch.zeros(1, 2)
     mask = torch.ones(1, 2, dtype=torch.bool)
     w, _ = importance_weights(old, rollout, mask, "token_mask", cap=1e10, low=1e-10)
-    close(w, [[1.0, 1.0]])
+    assert bool((w > 0).all())                              # both kept, weight = the clamped rho
+    assert w[0, 0].item() == pytest.approx(math.exp(20.0), rel=1e-6)
     w, _ = importance_weights(old, rollout, mask, "tis", cap=1e10)
     close(w, [[math.exp(20.0), math.exp(-20.0)]], tol=1e3)
     assert w[0, 0].item() == pytest.approx(math.exp(20.0), rel=1e-6)
@@ -356,13 +359,15 @@ def test_log_ratio_clamped_at_20():
 def test_correction_empty_mask_and_bad_args():
     old, rollout, _ = _corr_case()
     empty = torch.zeros(2, 3, dtype=torch.bool)
-    for mode in ("none", "tis", "seq_tis", "token_mask", "seq_mask"):
+    for mode in ("none", "tis", "seq_tis", "token_mask", "sequence_mask", "seq_geo_mask"):
         w, m = importance_weights(old, rollout, empty, mode)
         assert torch.isfinite(w).all()
         assert all(v == 0.0 for v in m.values()), (mode, m)
     mask = torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="allowed values"):
         importance_weights(old, rollout, mask, "icepop")
+    with pytest.raises(ValueError, match="seq_geo_mask"):                  # renamed in issue 20
+        importance_weights(old, rollout, mask, "seq_mask")
     with pytest.raises(ValueError, match="cap"):
         importance_weights(old, rollout, mask, "tis", cap=0.0)
     with pytest.raises(ValueError, match="low"):

@@ -113,5 +113,14 @@ def test_chunked_logprobs_match_dense_log_softmax():
     (dh,) = torch.autograd.grad(lp, h, g.float())
     (dh_ref,) = torch.autograd.grad(ref, h, g)
     assert rel_err(dh, dh_ref) < 1e-5
+    # the entropy's gradient (entropy bonus) against autograd through the dense entropy, alone and mixed
+    ge = torch.randn(37, dtype=torch.float64)
+    for wl, we in ((0.0, 1.0), (1.0, 1.0)):
+        lp, ent = token_logprobs(h, W, y, temperature=0.7, chunk_size=8, entropy=True)
+        (dh,) = torch.autograd.grad((wl * g.float() * lp).sum() + (we * ge.float() * ent).sum(), h)
+        dense = torch.log_softmax((h @ W.t()) / 0.7, -1)
+        ref, dense_ent = dense.gather(1, y[:, None])[:, 0], -(dense.exp() * dense).sum(-1)
+        (dh_ref,) = torch.autograd.grad((wl * g * ref).sum() + (we * ge * dense_ent).sum(), h)
+        assert rel_err(dh, dh_ref) < 1e-5
     with pytest.raises(ValueError, match="temperature"):
         token_logprobs(h, W, y, temperature=0.0)
