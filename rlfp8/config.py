@@ -113,21 +113,30 @@ def with_new_defaults(saved: dict) -> dict:
     return {**{k: v for k, v in base.items() if k not in saved}, **saved}
 
 
+def _parse_overrides(overrides: list[str]) -> list:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    try:
+        return OverridesParser.create().parse_overrides([o for o in overrides if not o.startswith("recipe=")])
+    except Exception as e:          # noqa: BLE001 - Hydra's grammar errors name the override
+        raise ConfigError(f"{type(e).__name__}: {e}") from None
+
+
+def command_line_value(overrides: list[str], key: str, default: Any = None) -> Any:
+    """The value the command line gives `key` (the last one wins), without composing: a resume must
+    not be validated against the default recipe's values."""
+    values = [o.value() for o in _parse_overrides(overrides) if o.key_or_group == key and not o.is_delete()]
+    return values[-1] if values else default
+
+
 def compose_resume(saved: dict, overrides: list[str]) -> DictConfig:
     """Resume: the saved (resolved) config is the source of truth and only `overrides` are applied to
     it: `key=value` sets a key, `group=choice` replaces that group's subtree by the choice's file. A
     different `recipe=` composes afresh (the caller refuses that without force=true)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("recipe=")), None)
     if recipe is not None and _find_recipe(recipe)[1] != saved.get("recipe"):
         return compose(overrides)
-    try:
-        parsed = OverridesParser.create().parse_overrides([o for o in overrides if not o.startswith("recipe=")])
-    except Exception as e:          # noqa: BLE001 - Hydra's grammar errors name the override
-        raise ConfigError(f"{type(e).__name__}: {e}") from None
     cfg = OmegaConf.create(saved)
-    for o in parsed:
+    for o in _parse_overrides(overrides):
         key = o.key_or_group
         if o.is_sweep_override() or o.is_delete():
             raise ConfigError(f"{o.input_line}: sweeps and deletions are not supported on resume")

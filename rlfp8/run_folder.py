@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from rlfp8.config import ConfigError, compose, compose_resume, to_dict, with_new_defaults
+from rlfp8.config import ConfigError, command_line_value, compose, compose_resume, to_dict, with_new_defaults
 
 log = logging.getLogger("rlfp8")
 
@@ -212,11 +212,14 @@ class RunFolder:
     @classmethod
     def start(cls, argv: list[str]) -> tuple["RunFolder", dict]:
         """Compose the config from the command line and take the folder it names (see module doc)."""
-        cfg = to_dict(compose(argv))
-        if cfg["resume"]:
-            folder = cls.open(Path(cfg["run_dir"]))
-            cfg = folder.resume_config(argv, force=bool(cfg.get("force")))
+        if command_line_value(argv, "resume", False) is True:
+            run_dir = command_line_value(argv, "run_dir")
+            if not run_dir:
+                raise ConfigError("resume=true needs run_dir=<the run's folder>")
+            folder = cls.open(Path(str(run_dir)))
+            cfg = folder.resume_config(argv, force=command_line_value(argv, "force", False) is True)
         else:
+            cfg = to_dict(compose(argv))
             folder = cls.create(cfg)
         cfg["run_dir"] = str(folder.path)
         return folder, cfg

@@ -94,7 +94,8 @@ def test_folder_errors_exit_2_and_change_nothing(tmp_path, cache):
     (run_dir / "metrics.jsonl").write_text('{"step": 0, "eval/reward": 0.0}\n')
     before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
     assert "already holds a run" in _one_line_error(_cli(f"run_dir={run_dir}", cache=cache))
-    assert "adapter.rank" in _one_line_error(_cli(f"run_dir={run_dir}", "resume=true", cache=cache))  # rank 16 != 4
+    line = _one_line_error(_cli(f"run_dir={run_dir}", "resume=true", "adapter.rank=16", cache=cache))
+    assert "change adapter.rank" in line and "force=true" in line
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         from pathlib import Path
         from rlfp8.run_folder import RunLock
@@ -103,7 +104,7 @@ def test_folder_errors_exit_2_and_change_nothing(tmp_path, cache):
         import time; time.sleep(600)""")], cwd=ROOT, env=_env(cache), stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        line = _one_line_error(_cli(f"run_dir={run_dir}", "resume=true", "adapter.rank=4", cache=cache))
+        line = _one_line_error(_cli(f"run_dir={run_dir}", "resume=true", cache=cache))
         assert f"in use by a live run (pid {holder.pid}" in line
     finally:
         holder.kill()
@@ -125,33 +126,39 @@ def test_kill9_at_random_points_resumes_to_the_uninterrupted_rows(tmp_path, cach
 
     run_dir, log, t_end = tmp_path / "killed", [], time.time() + KILL_PHASE_S
     for attempt in range(MAX_TRIES):
-        kill = attempt < MAX_TRIES - 1 and time.time() < t_end
-        # the first kill lands after the first checkpoint (3 rows: eval 0, steps 1-2), later ones anywhere
-        rows_before_kill = rng.randint(3, 9) if attempt == 0 else rng.randint(0, len(want))
-        outcome, resumed = _run_and_maybe_kill(run_dir, cache, kill, rows_before_kill, rng.uniform(0, 0.8))
-        log.append((attempt, rows_before_kill if kill else None, outcome, resumed))
+        if attempt == MAX_TRIES - 1 or time.time() > t_end:
+            when = None                                       # the last try runs to the end
+        elif attempt == 0:                                    # after the first checkpoint (eval 0, steps 1-2)
+            when = ("rows", rng.randint(3, 9), rng.uniform(0, 0.8))
+        elif rng.random() < 0.2:                              # during start-up / engine warm-up
+            when = ("start", 0, rng.uniform(0, 25))
+        else:                                                 # during a step, an eval or a checkpoint save
+            when = ("rows", rng.randint(1, len(want)), rng.uniform(0, 0.8))
+        outcome, resumed = _run_and_maybe_kill(run_dir, cache, when)
+        log.append((attempt, when, outcome, resumed))
         if outcome == "finished":
             break
-    print("tries (attempt, kill after rows, outcome, resumed from a checkpoint):", log)
+    print("tries (attempt, kill point, outcome, resumed from a checkpoint):", log)
     assert log[-1][2] == "finished", log
     assert any(r for *_, r in log), f"no try resumed from a checkpoint: {log}"
     assert _rows(run_dir) == want
 
 
-def _run_and_maybe_kill(run_dir: Path, cache, kill: bool, rows_before_kill: int, extra_delay: float):
-    """One try: fresh if the folder has no config yet, else resume=true; SIGKILL the driver once
-    metrics.jsonl has `rows_before_kill` rows plus `extra_delay` seconds (0 rows: a random moment of
-    the start-up). Returns ("finished" | "killed", whether it resumed from a checkpoint)."""
+def _run_and_maybe_kill(run_dir: Path, cache, when):
+    """One try: fresh if the folder has no config yet, else resume=true. `when`: None (no kill),
+    ("rows", n, s): SIGKILL the driver s seconds after metrics.jsonl has n rows, ("start", 0, s): s
+    seconds after the start. Returns ("finished" | "killed", whether it resumed from a checkpoint)."""
     args = [f"run_dir={run_dir}"] + (["resume=true"] if (run_dir / "config.yaml").exists() else [])
     err = open(run_dir.parent / "try.err", "w+")
     p = subprocess.Popen(_cmd(*args), cwd=ROOT, env=_env(cache), stdout=subprocess.DEVNULL, stderr=err,
                          start_new_session=True)
     t0, metrics = time.time(), run_dir / "metrics.jsonl"
     try:
-        while kill and p.poll() is None and time.time() - t0 < 300:
-            n = len(metrics.read_text().splitlines()) if metrics.exists() else 0
-            if (rows_before_kill == 0 and time.time() - t0 > 30 * extra_delay) or (rows_before_kill and n >= rows_before_kill):
-                time.sleep(extra_delay if rows_before_kill else 0)
+        while when is not None and p.poll() is None and time.time() - t0 < 300:
+            kind, rows, delay = when
+            n = len(metrics.read_text().splitlines()) if kind == "rows" and metrics.exists() else 0
+            if (kind == "start" and time.time() - t0 > delay) or (kind == "rows" and n >= rows):
+                time.sleep(delay if kind == "rows" else 0)
                 p.send_signal(signal.SIGKILL)          # the driver only, as a user's kill -9 would
                 break
             time.sleep(0.05)
@@ -159,7 +166,7 @@ def _run_and_maybe_kill(run_dir: Path, cache, kill: bool, rows_before_kill: int,
     finally:
         if p.poll() is None:
             p.kill()
-        _reap_group(p.pid)                             # Ray processes the killed driver left behind
+        _reap_group(p.pid)
     err.seek(0)
     text = err.read()
     err.close()
@@ -169,8 +176,8 @@ def _run_and_maybe_kill(run_dir: Path, cache, kill: bool, rows_before_kill: int,
 
 
 def _reap_group(pgid: int) -> None:
-    """Wait for the try's session (its Ray head and workers) to end; SIGKILL what is left after 20 s."""
-    for _ in range(200):
+    """Ray agents outlive a kill -9'd driver: give the try's process group 5 s, then SIGKILL it."""
+    for _ in range(50):
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
@@ -180,3 +187,33 @@ def _reap_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+# ------------------------------------------------------------------ the engine's part of exact resume
+ENGINE_SEED_CHECK = """
+import json, sys
+from rlfp8.rollout.engine import RolloutEngine
+from rlfp8.trainer.hf_models import make_tiny_qwen3
+folder = make_tiny_qwen3(sys.argv[1], seed=1)
+cfg = {"seed": 0, "model": {"dtype": "float32"}, "adapter": {"rank": 8},
+       "engine": {"precision": "bf16", "max_model_len": 128, "max_num_seqs": 16, "cpu_kv_cache_gb": 1}}
+engine = RolloutEngine(str(folder), cfg)
+prompts = [[11, 12, 13 + i] for i in range(3)]
+run = lambda seed: [(s.prompt_index, s.token_ids, s.logprobs) for s in
+                    engine.generate(prompts, n=4, temperature=1.0, max_tokens=12, seed=seed)]
+first = run(123)
+run(None)                      # unseeded calls in between move the engine's own generator
+print(json.dumps({"first": first, "again": run(123), "other": run(124)}))
+"""
+
+
+@pytest.mark.slow
+def test_engine_seed_makes_a_step_independent_of_what_ran_before(tmp_path):
+    r = subprocess.run([sys.executable, "-c", ENGINE_SEED_CHECK, str(tmp_path / "tiny")], cwd=ROOT,
+                       env=_env(tmp_path / "cache"), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["first"] == out["again"]                       # same tokens and bit-identical log-probs
+    tokens = lambda rows: [t for _, t, _ in rows]            # noqa: E731
+    assert tokens(out["first"]) != tokens(out["other"])
+    assert len({tuple(t) for t in tokens(out["first"])}) > 1  # the n samples and prompts differ

@@ -208,3 +208,14 @@ def test_step_seeds_depend_only_on_seed_and_step():
     # vLLM gives sample k of a prompt seed + k: no two prompts' sample streams meet for n <= 1024
     spans = sorted(per_prompt)
     assert min(b - a for a, b in zip(spans, spans[1:])) > 1024
+
+
+def test_resume_is_validated_against_the_saved_config_not_the_recipe(tmp_path):
+    run_dir = tmp_path / "R"
+    _saved_run(run_dir, "engine.max_model_len=2048")
+    # 1500 >= the quickstart's max_model_len 128, but < the run's own 2048
+    folder, cfg = _start(["resume=true", f"run_dir={run_dir}", "algo.max_response_len=1500", "force=true"])
+    folder.close()
+    assert cfg["algo"]["max_response_len"] == 1500 and cfg["engine"]["max_model_len"] == 2048
+    with pytest.raises(RunFolderError, match="no config.yaml"):
+        RunFolder.start(["resume=true", f"run_dir={tmp_path / 'empty'}"])
