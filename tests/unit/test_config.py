@@ -227,3 +227,43 @@ def test_readme_config_tour_matches_conf():
                 if not _owns(tree, (prefix, key)):
                     bad.append(f"{prefix}.{key}")
     assert not bad, bad
+
+
+# issue 19: every value that can be checked before the actors start is checked at composition
+@pytest.mark.parametrize("override,needle", [
+    ("algo.std_eps=0", "algo.std_eps=0: must be a number > 0"),          # NaN advantages on equal-reward groups
+    ("algo.std_eps=-1e-3", "algo.std_eps=-0.001"),
+    ("algo.clip_eps_low=1", "algo.clip_eps_low=1"),
+    ("algo.clip_eps_low=1.5", "must be < 1"),
+    ("algo.clip_eps_high=-0.1", "algo.clip_eps_high=-0.1"),
+    ("algo.tis_low=3", "algo.tis_low=3: must be null"),                 # above tis_cap=2
+    ("algo.tis_low=0", "algo.tis_low=0"),
+    ("adapter.rank=1024", "adapter.rank=1024: the engine serves LoRA ranks up to 512"),
+    ("algo.group_size=1", "algo.group_size=1: algo.advantage=grpo"),
+    ("algo.kl_coef=-1", "algo.kl_coef=-1"),
+    ("engine.top_p=0", "engine.top_p=0"),
+    ("engine.top_k=0", "engine.top_k=0"),
+    ("engine.gpu_memory_utilization=1.5", "engine.gpu_memory_utilization=1.5"),
+    ("trainer.betas=[0.9,1.0]", "trainer.betas"),
+    ("data.ops=/", "data.ops='/'"),
+    ("data.max_prompt_tokens=0", "data.max_prompt_tokens=0"),
+])
+def test_values_checked_at_composition(override, needle):
+    with pytest.raises(ConfigError) as e:
+        compose(["model=tiny", override])
+    assert needle in str(e.value)
+
+
+def test_rank_inside_the_slot_list_is_accepted():
+    assert to_dict(compose(["model=tiny", "adapter.rank=500", "algo.tis_low=0.5"]))["adapter"]["rank"] == 500
+
+
+def test_prompt_token_limit_leaves_room_for_the_response():
+    from rlfp8.config import prompt_token_limit
+    cfg = to_dict(compose(["model=tiny", "engine.max_model_len=128", "algo.max_response_len=16"]))
+    assert cfg["data"]["max_prompt_tokens"] == 256 and prompt_token_limit(cfg) == 112     # capped by the engine
+    cfg = to_dict(compose(["model=tiny", "data.max_prompt_tokens=50"]))
+    assert prompt_token_limit(cfg) == 50
+    cfg = to_dict(compose(["model=tiny", "data.max_prompt_tokens=null", "engine.max_model_len=300",
+                           "algo.max_response_len=100"]))
+    assert prompt_token_limit(cfg) == 200

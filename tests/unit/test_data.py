@@ -388,3 +388,53 @@ def test_omegaconf_config():
                                                "eval_size": "${.digits}"}})
     train, ev = build_dataset(cfg.data)
     assert len(ev) == 2 and len(train.next_batch(3)) == 3
+
+
+# issue 19: every data-file problem names the file, the 1-based line and the field
+def test_jsonl_errors_name_file_and_line(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b'{"prompt": "a", "answer": "1"}\n\n{"prompt": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(DataConfigError, match=rf"{p}:3: not UTF-8 \(byte 0xe9 at column 16\)"):
+        build_dataset({"source": "jsonl", "path": str(p), "eval_path": str(p)})
+    p.write_text('{"prompt": "a", "answer": "1"}\n[1, 2]\n')
+    with pytest.raises(DataConfigError, match=rf"{p}:2: a JSON list, expected an object"):
+        build_dataset({"source": "jsonl", "path": str(p), "eval_path": str(p)})
+    p.write_text('{"prompt": "a", "answer": "1"}\n\n\n{"prompt": "b", "answer": 2\n')
+    with pytest.raises(DataConfigError, match=rf"{p}:4: not valid JSON"):
+        build_dataset({"source": "jsonl", "path": str(p), "eval_path": str(p)})
+
+
+def test_missing_field_names_the_1_based_line(tmp_path):
+    rows = [{"q": f"{i}?", "ans": str(i)} for i in range(12)]
+    rows[7] = {"q": "7?"}
+    p = tmp_path / "d.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in rows[:5]) + "\n\n" + "\n".join(json.dumps(r) for r in rows[5:]))
+    with pytest.raises(DataConfigError, match=rf"{p}:9: data.answer_field='ans' not found; available columns: q$"):
+        build_dataset({"source": "jsonl", "path": str(p), "eval_path": str(p), "prompt_field": "q",
+                       "answer_field": "ans"})
+    # the seeded hold-out split keeps each row's own line
+    with pytest.raises(DataConfigError, match=rf"{p}:9: data.answer_field"):
+        build_dataset({"source": "jsonl", "path": str(p), "prompt_field": "q", "answer_field": "ans", "eval_size": 3})
+
+
+def test_parquet_missing_field_names_the_row(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    p = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]), p)
+    with pytest.raises(DataConfigError, match=rf"{p} row 1: data.answer_field='sol'"):
+        build_dataset({"source": "parquet", "path": str(p), "eval_path": str(p), "answer_field": "sol"})
+
+
+def test_too_long_prompts_are_dropped_and_counted(tiny_tok, tmp_path, caplog):
+    rows = [{"prompt": "What is 1 + 2?" * (1 + 30 * (i == 4)), "answer": "3"} for i in range(10)]
+    p = _write_jsonl(tmp_path / "d.jsonl", rows)
+    lim = len(render_prompt(tiny_tok, rows[0]["prompt"]))
+    with caplog.at_level("WARNING", logger="rlfp8.data"):
+        train, ev = build_dataset({"source": "jsonl", "path": p, "eval_path": p, "max_prompt_tokens": lim}, tiny_tok)
+    assert len(train) == 9 and train.num_dropped == 1 and ev.num_dropped == 1
+    assert "dropped 1 of 10 training prompts longer than data.max_prompt_tokens" in caplog.text
+    # a synthetic stream whose every prompt is too long stops with the key named, not after 10^6 tries
+    tr, _ = build_dataset({"max_prompt_tokens": 3}, tiny_tok)
+    with pytest.raises(DataConfigError, match="data.max_prompt_tokens"):
+        tr.next_batch(1)
