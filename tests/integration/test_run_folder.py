@@ -193,11 +193,12 @@ def _reap_group(pgid: int) -> None:
 # ------------------------------------------------------------------ the engine's part of exact resume
 ENGINE_SEED_CHECK = """
 import json, sys
+from rlfp8.config import compose_dict
 from rlfp8.rollout.engine import RolloutEngine
 from rlfp8.trainer.hf_models import make_tiny_qwen3
 folder = make_tiny_qwen3(sys.argv[1], seed=1)
-cfg = {"seed": 0, "model": {"dtype": "float32"}, "adapter": {"rank": 8},
-       "engine": {"precision": "bf16", "max_model_len": 128, "max_num_seqs": 16, "cpu_kv_cache_gb": 1}}
+cfg = compose_dict(["model=tiny", "adapter.rank=8", "engine.precision=bf16", "engine.max_model_len=128",
+                    "engine.max_num_seqs=16", "engine.cpu_kv_cache_gb=1"])
 engine = RolloutEngine(str(folder), cfg)
 prompts = [[11, 12, 13 + i] for i in range(3)]
 run = lambda seed: [(s.prompt_index, s.token_ids, s.logprobs) for s in
