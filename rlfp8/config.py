@@ -90,8 +90,11 @@ class Unavailable:
 
 # The one table of combinations that cannot run. Delete an entry when what it names lands.
 UNAVAILABLE: tuple[Unavailable, ...] = (
-    Unavailable({"placement.name": "one_copy"}, NOT_BUILT, "one_copy (the trainer maps the engine's weights, "
-                "issue 14) is", "placement=two_copies or placement=offloaded"),
+    *(Unavailable({"placement.name": "one_copy", "engine.precision": p}, UNSUPPORTED, "(the trainer maps rlfp8's "
+                  "FP8 codes, which this engine does not hold)", "engine.precision=w8a16 or w8a8, or "
+                  "placement=two_copies") for p in ("bf16", "w8a8_vllm")),
+    Unavailable({"placement.name": "one_copy", "trainer.weights": "bf16"}, UNSUPPORTED, "(the shared base is FP8)",
+                "trainer.weights=fp8, or placement=two_copies / offloaded for the 16-bit arm"),
     *(Unavailable({"adapter.type": "dora", "engine.precision": p}, UNSUPPORTED, "(vLLM's own LoRA kernels "
                   "cannot serve DoRA)", "engine.precision=w8a16 (the matched engine) or w8a8: rlfp8's kernels "
                   "apply DoRA's column scale in the GEMM epilogue") for p in ("bf16", "w8a8_vllm")),

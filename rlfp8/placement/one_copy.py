@@ -1,21 +1,59 @@
-"""one_copy: the trainer maps the engine's FP8 tensors (base-weight source "map") and the engine
-releases its KV cache while the trainer runs. Not built yet (issue 14); the config rejects it first
-(rlfp8.config.UNAVAILABLE), this class is where it goes."""
+"""one_copy: ONE FP8 copy of the base. The engine exports its FP8 codes and scales (CUDA IPC handles on a GPU,
+/dev/shm-backed tensors on a CPU machine) and the trainer maps them (base-weight source "map": q/k/v and
+gate/up as row views of the engine's fused tensors), so the trainer holds no base of its own. With
+engine.release_kv (auto = on, on a GPU) the engine frees its KV cache while the trainer runs and maps it back
+before the next rollout. placement.checksum_every: every N syncs the engine's and the trainer's checksums of
+the shared base are compared with the one taken at set-up (the base must never be written).
+"""
 from __future__ import annotations
 
-from .base import Placement
+import logging
+
+from .base import Placement, call
+
+log = logging.getLogger("rlfp8.placement")
+
+
+class BaseWrittenError(RuntimeError):
+    pass
 
 
 class OneCopy(Placement):
     name = "one_copy"
     weight_source = "map"
 
-    def __init__(self, cfg: dict, model_path: str, scratch_dir: str):
-        raise NotImplementedError("placement=one_copy is not built yet (issue 14): use placement=two_copies "
-                                  "or placement=offloaded")
+    def after_setup(self) -> None:
+        self.kv_released = False
+        self.syncs = 0
+        self.checksum = call(self.engine.base_checksums)
+        self._compare(call(self.trainer.base_checksums), "right after mapping (trainer vs engine)")
+        self.release_kv = call(self.engine.kv_release_enabled)
+        log.info("one_copy: the trainer maps the engine's FP8 base (%d projections, checksums equal); KV release %s",
+                 len(self.checksum), "on" if self.release_kv else "off")
 
-    def before_rollout(self) -> None:       # what it will do: the KV cache back before generating
-        raise NotImplementedError("one_copy: resume_kv before the rollout (issue 14)")
+    def before_rollout(self) -> None:
+        if self.kv_released:
+            call(self.engine.resume_kv)
+            self.kv_released = False
 
-    def before_train(self) -> None:         # and away while the trainer runs
-        raise NotImplementedError("one_copy: release_kv before training (issue 14)")
+    def before_train(self) -> None:
+        if self.release_kv and not self.kv_released:
+            call(self.engine.release_kv)
+            self.kv_released = True
+
+    def after_sync(self) -> None:
+        self.syncs += 1
+        every = self.cfg["placement"]["checksum_every"]
+        if every and self.syncs % every == 0:
+            self.verify_base()
+
+    def verify_base(self) -> None:
+        """Both sides' checksums of the shared base equal the set-up ones (raises BaseWrittenError)."""
+        self._compare(call(self.engine.base_checksums), f"after {self.syncs} syncs (engine)")
+        self._compare(call(self.trainer.base_checksums), f"after {self.syncs} syncs (trainer)")
+
+    def _compare(self, got: dict[str, int], when: str) -> None:
+        bad = sorted(k for k in got if got[k] != self.checksum.get(k))
+        if bad:
+            raise BaseWrittenError(f"one_copy: the shared FP8 base differs {when} in {len(bad)} projections, e.g. "
+                                   f"{bad[:3]}: it must never be written")

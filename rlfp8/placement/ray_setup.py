@@ -58,7 +58,9 @@ def start_actors(cfg: dict, model_path: str, weight_source: str, scratch_dir: st
     res = dict(num_gpus=0.5, num_cpus=1) if on_gpu else dict(num_cpus=1)
     engine = ray.remote(**res)(RolloutActor).options(**options).remote(model_path, cfg, scratch_dir, threads)
     ray.get(engine.memory.remote())
-    trainer = ray.remote(**res)(TrainerActor).options(**options).remote(model_path, cfg, weight_source, threads)
+    handles = ray.get(engine.export_weights.remote()) if weight_source == "map" else None
+    trainer = ray.remote(**res)(TrainerActor).options(**options).remote(model_path, cfg, weight_source, threads,
+                                                                        handles)
     ray.get(trainer.kernel_report.remote())
     return Actors(engine, trainer, pg)
 

@@ -41,10 +41,14 @@ class RolloutActor(RolloutEngineInterface):
         self.engine.resume_kv()
 
     def export_weights(self) -> dict:
-        return self.engine.export_weights()
+        from pathlib import Path
+        return self.engine.export_weights(str(Path(self.scratch_dir) / "weights"))
 
-    def base_checksum(self) -> int:
-        return self.engine.base_checksum()
+    def kv_release_enabled(self) -> bool:
+        return self.engine.kv_release
+
+    def base_checksums(self) -> dict[str, int]:
+        return self.engine.base_checksums()
 
     def memory(self) -> dict[str, float]:
         return self.engine.memory()

@@ -181,16 +181,27 @@ class RolloutEngine:
         return dispatch.report()
 
     # ------------------------------------------------------------------ one copy: weights out, KV away while training
-    def export_weights(self) -> dict:
-        """Handles of the FP8 codes and scales of every projection (CUDA IPC on a GPU, /dev/shm files on a CPU
-        machine), for a trainer that maps them (placement=one_copy)."""
+    def export_weights(self, scratch: str | None = None) -> dict:
+        """Handles of the FP8 codes and scales of every projection (CUDA IPC on a GPU, files under `scratch` —
+        the run's RAM scratch folder, removed on any exit — on a CPU machine), for a trainer that maps them
+        (placement=one_copy)."""
         from .weight_export import export_weights
-        return export_weights(compat.engine_model(self.llm))
+        return export_weights(compat.engine_model(self.llm), scratch)
 
-    def base_checksum(self) -> int:
-        from .weight_export import _rlfp8_linears, base_checksum
-        mods = _rlfp8_linears(compat.engine_model(self.llm))
-        return base_checksum(t for m in mods.values() for t in (m.weight, m.weight_scale))
+    def base_checksums(self) -> dict[str, int]:
+        """HF projection name -> checksum of its FP8 codes and scales (row views of the fused tensors)."""
+        from rlfp8.shared_tensors import PACKED_MODULES, base_checksum
+
+        from .weight_export import _rlfp8_linears
+        out = {}
+        for name, m in _rlfp8_linears(compat.engine_model(self.llm)).items():
+            parent, _, last = name.rpartition(".")
+            start = 0
+            for sub, width in zip(PACKED_MODULES.get(last, [last]), m.logical_widths):
+                rows = slice(start, start + width)
+                out[f"{parent}.{sub}"] = base_checksum([m.weight[rows], m.weight_scale[rows]])
+                start += width
+        return out
 
     def release_kv(self) -> dict:
         """Free the KV cache (GPU, engine started with sleep mode): prefix cache reset, KV pages unmapped; the

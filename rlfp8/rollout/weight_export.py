@@ -8,7 +8,7 @@ q, k, v; gate_up: gate, up), keyed by vLLM's module name:
     weights out of vLLM's cuMem pool, whose memory legacy IPC cannot share;
   - on a CPU machine, the tensors are moved once into files in /dev/shm (the engine's parameters then live in
     that shared memory too, same values) and the handle is the file: the same one-copy path, testable in CI.
-`map_handle(h)` (the receiving side) rebuilds a tensor that aliases the engine's memory. Nothing here copies per
+`rlfp8.shared_tensors.map_shared_tensor(h)` (the receiving side) rebuilds a tensor that aliases the engine's memory. Nothing here copies per
 step; `base_checksum` reads the codes to prove no one writes them.
 """
 from __future__ import annotations
@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from rlfp8.shared_tensors import base_checksum, map_shared_tensor  # noqa: F401  (the receiving side)
+
 SHM = Path("/dev/shm")
 
 
@@ -26,7 +28,7 @@ def _rlfp8_linears(model) -> dict:
     for name, mod in model.named_modules():
         method = getattr(mod, "quant_method", None)
         if getattr(method, "mode", None) is not None and hasattr(mod, "weight_scale"):
-            out[name] = mod
+            out[name.removesuffix(".base_layer")] = mod          # under LoRA the base layer is wrapped
     return out
 
 
@@ -65,38 +67,6 @@ def export_weights(model, scratch: str | os.PathLike | None = None) -> dict:
                 entry[part] = ("file", str(path), str(t.dtype).replace("torch.", ""), tuple(t.shape))
         out[name] = entry
     return out
-
-
-def map_handle(handle) -> torch.Tensor:
-    """The receiving side: a tensor aliasing the exporter's memory (read-only by contract)."""
-    kind = handle[0]
-    if kind == "cuda_ipc":
-        fn, args = handle[1]
-        return fn(*args)
-    if kind == "file":
-        _, path, dtype, shape = handle
-        dt = getattr(torch, dtype)
-        numel = 1
-        for s in shape:
-            numel *= s
-        flat = torch.from_file(path, shared=True, size=numel * torch.empty((), dtype=dt).element_size(),
-                               dtype=torch.uint8)
-        return flat.view(dt).view(shape)
-    raise ValueError(f"map_handle: unknown handle kind {kind!r}")
-
-
-def base_checksum(tensors, chunk: int = 1 << 24) -> int:
-    """Position-weighted sum of the raw bytes of every tensor (int64, chunked so no large temporary): equal
-    before and after training iff no byte moved or changed (for any realistic write)."""
-    total, offset = 0, 0
-    for t in tensors:
-        b = t.detach().reshape(-1).view(torch.uint8)
-        for start in range(0, b.numel(), chunk):
-            part = b[start:start + chunk].to(torch.int64)
-            w = (torch.arange(part.numel(), device=part.device, dtype=torch.int64) + offset + start) % 65521 + 1
-            total = (total + int((part * w).sum())) % (1 << 61)
-        offset += b.numel()
-    return total
 
 
 def cleanup(scratch: str | os.PathLike | None = None) -> None:

@@ -8,6 +8,7 @@ from .core import PolicyTrainer
 
 
 class TrainerActor(PolicyTrainer):
-    def __init__(self, model_path: str, cfg: dict, weight_source: str, num_threads: int):
+    def __init__(self, model_path: str, cfg: dict, weight_source: str, num_threads: int,
+                 weight_handles: dict | None = None):
         setup_actor_process(num_threads, quiet_vllm=False)
-        super().__init__(model_path, cfg, weight_source=weight_source)
+        super().__init__(model_path, cfg, weight_source=weight_source, weight_handles=weight_handles)

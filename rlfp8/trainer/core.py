@@ -48,8 +48,9 @@ def pick_device(spec: str) -> torch.device:
 
 
 class PolicyTrainer(TrainerInterface):
-    def __init__(self, model_path: str, cfg: dict, weight_source: str = "quantize"):
-        """cfg: the resolved config as a plain dict; weight_source: a name in rlfp8.trainer.weights.SOURCES."""
+    def __init__(self, model_path: str, cfg: dict, weight_source: str = "quantize", weight_handles: dict | None = None):
+        """cfg: the resolved config as a plain dict; weight_source: a name in rlfp8.trainer.weights.SOURCES;
+        weight_handles: the engine's exported FP8 tensors (source "map", placement=one_copy)."""
         t0 = time.time()
         self.cfg = cfg
         tcfg = cfg["trainer"]
@@ -61,7 +62,7 @@ class PolicyTrainer(TrainerInterface):
             torch.set_num_threads(int(tcfg["num_threads"]))
         torch.manual_seed(int(cfg["seed"]))
         self.adapter = adapter_kind(cfg["adapter"]["type"])
-        self.weights = make_weight_source(weight_source)
+        self.weights = make_weight_source(weight_source, weight_handles)
         self.model, self.replaced = self.weights.load(self.model_path, cfg, self.device, self.dtype)
         if tcfg["gradient_checkpointing"]:
             # transformers >= 5.24 renamed it; the GPU machines run 5.17
@@ -268,6 +269,13 @@ class PolicyTrainer(TrainerInterface):
 
     def kernel_report(self) -> dict:
         return dispatch.report()
+
+    def base_checksums(self) -> dict[str, int]:
+        """Projection name -> checksum of the frozen FP8 base this trainer computes on (one_copy: the engine's
+        memory); rlfp8.shared_tensors.base_checksum, the engine's function."""
+        from rlfp8.shared_tensors import base_checksum
+        from .fp8_lora import lora_modules
+        return {n: base_checksum([m.qweight, m.weight_scale]) for n, m in lora_modules(self.model).items()}
 
     def memory(self) -> dict[str, float]:
         if self.device.type == "cuda":

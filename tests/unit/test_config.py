@@ -60,7 +60,11 @@ def test_user_recipe_file_and_typo_detection(tmp_path):
 
 # ------------------------------------------------------------------ combinations that cannot run
 @pytest.mark.parametrize("overrides,cuda,needle,reason", [
-    (["placement=one_copy"], True, "placement.name=one_copy: one_copy", config.NOT_BUILT),
+    (["placement=one_copy"], True, "placement.name=one_copy engine.precision=bf16: (the trainer maps", config.UNSUPPORTED),
+    (["placement=one_copy", "engine.precision=w8a8_vllm"], True, "placement.name=one_copy engine.precision=w8a8_vllm",
+     config.UNSUPPORTED),
+    (["placement=one_copy", "engine.precision=w8a16", "trainer.weights=bf16"], True,
+     "placement.name=one_copy trainer.weights=bf16", config.UNSUPPORTED),
     (["adapter.type=dora"], True, "adapter.type=dora engine.precision=bf16: (vLLM's own LoRA kernels", config.UNSUPPORTED),
     (["adapter.type=dora", "engine.precision=w8a8_vllm"], True, "adapter.type=dora engine.precision=w8a8_vllm",
      config.UNSUPPORTED),
@@ -84,7 +88,7 @@ def test_dora_and_the_plugin_precisions_compose():
 
 def test_unavailable_table_is_exercised_and_cuda_entries_pass_on_a_gpu(monkeypatch):
     """Every entry of the table has a case above; the NEEDS_CUDA ones compose where CUDA exists."""
-    assert len(UNAVAILABLE) == 5
+    assert len(UNAVAILABLE) == 7
     monkeypatch.setattr(config, "cuda_available", lambda: True)
     for entry in UNAVAILABLE:
         if entry.reason == config.NEEDS_CUDA:
