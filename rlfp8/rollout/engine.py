@@ -16,7 +16,6 @@ without RPC.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -114,7 +113,9 @@ class RolloutEngine:
         from vllm.lora.request import LoRARequest
         folder = Path(tempfile.mkdtemp(prefix=f"rlfp8-{os.getpid()}-adapter-"))
         try:
-            _write_peft_folder(folder, adapter_slots.lora_part(update))
+            from rlfp8.peft_format import write_adapter_folder
+            lora = adapter_slots.lora_part(update)
+            write_adapter_folder(folder, {k: v.contiguous() for k, v in lora["tensors"].items()}, lora["config"])
             req = LoRARequest(lora_name="rlfp8", lora_int_id=ADAPTER_ID, lora_path=str(folder))
             self.llm.llm_engine.add_lora(req)
             self.llm.llm_engine.pin_lora(ADAPTER_ID)
@@ -245,13 +246,3 @@ def kv_release_enabled(cfg: dict) -> bool:
     if value and not torch.cuda.is_available():
         raise ValueError("engine.release_kv=true needs a CUDA GPU (vLLM's sleep mode); use false or auto")
     return bool(value)
-
-
-def _write_peft_folder(folder: Path, update: dict) -> None:
-    from safetensors.torch import save_file
-    cfg = dict(update["config"])
-    for k, v in list(cfg.items()):
-        if isinstance(v, (set, tuple)):
-            cfg[k] = sorted(v)
-    (folder / "adapter_config.json").write_text(json.dumps(cfg, indent=2, default=str))
-    save_file({k: v.contiguous() for k, v in update["tensors"].items()}, str(folder / "adapter_model.safetensors"))
