@@ -41,7 +41,7 @@ def choices() -> dict[str, tuple]:
     from rlfp8.trainer.adapters import ADAPTER_TYPES
     from rlfp8.trainer.fp8_lora import WEIGHT_MODES
     return {
-        "model.dtype": ("bfloat16", "float32"),
+        "model.dtype": ("auto", "bfloat16", "float32"),
         "engine.precision": PRECISIONS,
         "engine.release_kv": ("auto", True, False),
         "trainer.weights": WEIGHT_MODES,
@@ -104,6 +104,29 @@ UNAVAILABLE: tuple[Unavailable, ...] = (
 )
 
 
+def native_bf16() -> tuple[bool, str]:
+    """Does this machine compute in bfloat16 natively? A CUDA GPU with bf16, or a CPU with AVX512-BF16 or
+    AMX-BF16; elsewhere (e.g. an AVX2-only CPU) torch and vLLM emulate bf16 several times slower than float32."""
+    import torch
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported(), f"GPU {torch.cuda.get_device_name()}"
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    native = bool(flags & {"avx512_bf16", "amx_bf16"})
+    return native, "CPU with " + ("avx512_bf16/amx_bf16" if native else "no avx512_bf16/amx_bf16")
+
+
+def resolve_auto(cfg: DictConfig) -> None:
+    """model.dtype=auto -> bfloat16 where the machine computes it natively, float32 elsewhere. Resolved once,
+    here, so the engine and the trainer (and a resumed run, which reads the saved config) use one dtype."""
+    if cfg.model.dtype == "auto":
+        native, where = native_bf16()
+        cfg.model.dtype = "bfloat16" if native else "float32"
+        print(f"[rlfp8] model.dtype=auto -> {cfg.model.dtype} ({where})", flush=True)
+
+
 def cuda_available() -> bool:
     import torch
     return torch.cuda.is_available()
@@ -136,6 +159,7 @@ def compose(overrides: list[str]) -> DictConfig:
         cfg.recipe = rname
     _check_known_keys(cfg, base)
     validate(cfg)
+    resolve_auto(cfg)
     return cfg
 
 
@@ -369,6 +393,7 @@ def compose_resume(saved: dict, overrides: list[str]) -> DictConfig:
         else:
             OmegaConf.update(cfg, key, o.value(), merge=False, force_add=o.is_add())
     validate(cfg)
+    resolve_auto(cfg)
     return cfg
 
 
