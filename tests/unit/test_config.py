@@ -271,3 +271,22 @@ def test_prompt_token_limit_leaves_room_for_the_response():
     cfg = to_dict(compose(["model=tiny", "data.max_prompt_tokens=null", "engine.max_model_len=300",
                            "algo.max_response_len=100"]))
     assert prompt_token_limit(cfg) == 200
+
+
+@pytest.mark.parametrize("native, expected", [(True, "bfloat16"), (False, "float32")])
+def test_model_dtype_auto_resolves_once_by_the_machine(monkeypatch, native, expected):
+    monkeypatch.setattr(config, "native_bf16", lambda: (native, "test machine"))
+    cfg = compose(["recipe=quickstart"])
+    assert cfg.model.dtype == expected
+    assert compose(["recipe=quickstart", "model.dtype=bfloat16"]).model.dtype == "bfloat16"   # explicit wins
+    resumed = config.compose_resume(to_dict(cfg), ["steps=3"])
+    assert resumed.model.dtype == expected                      # the saved, resolved value is kept
+
+
+@pytest.mark.parametrize("value, cpu_build, eager", [("auto", True, True), ("auto", False, False),
+                                                     (True, False, True), (False, True, False)])
+def test_engine_enforce_eager_auto_is_eager_only_on_cpu(monkeypatch, value, cpu_build, eager):
+    from rlfp8.rollout import compat, engine
+    monkeypatch.setattr(compat, "on_cpu_build", lambda: cpu_build)
+    assert engine.eager_mode({"enforce_eager": value}) is eager
+    assert compose([f"engine.enforce_eager={str(value).lower()}"]).engine.enforce_eager == value
