@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlfp8.profiling import phase
+
 log = logging.getLogger("rlfp8")
 
 
@@ -173,7 +175,8 @@ def rl_step(r: Run, step: int, bar) -> dict[str, float]:
     bar.set_description(f"step {step + 1}: rollout")
     examples, prompt_ids, samples = rollout(r, step)
     t_roll = time.time() - t0
-    rewards, batch = score(r, examples, prompt_ids, samples)
+    with phase("driver/reward"):
+        rewards, batch = score(r, examples, prompt_ids, samples)
     bar.set_description(f"step {step + 1}: train")
     t1 = time.time()
     metrics = update(r, batch)
@@ -188,8 +191,9 @@ def rl_step(r: Run, step: int, bar) -> dict[str, float]:
                     "rollout/tokens_per_s": sum(len(s.token_ids) for s in samples) / max(t_roll, 1e-9),
                     "data/prompts_dropped": r.train_stream.num_dropped})
     from rlfp8.placement import call
-    metrics.update(call(r.placement.engine.memory))
-    r.logger.log(step + 1, metrics)
+    with phase("driver/log"):
+        metrics.update(call(r.placement.engine.memory))
+        r.logger.log(step + 1, metrics)
     (r.first_rewards if step < r.start_step + 3 else r.last_rewards).append(metrics["reward/mean"])
     r.last_rewards = r.last_rewards[-3:]
     return metrics
@@ -200,8 +204,9 @@ def rollout(r: Run, step: int):
     from rlfp8.placement import call
     from rlfp8.run_folder import step_seed
     algo_cfg, ecfg = r.cfg["algo"], r.cfg["engine"]
-    examples = r.train_stream.next_batch(r.cfg["data"]["prompts_per_step"])
-    prompt_ids = [render(r, ex) for ex in examples]
+    with phase("driver/prompts"):
+        examples = r.train_stream.next_batch(r.cfg["data"]["prompts_per_step"])
+        prompt_ids = [render(r, ex) for ex in examples]
     r.placement.before_rollout()
     samples = call(r.placement.engine.generate, prompt_ids, algo_cfg["group_size"], algo_cfg["temperature"],
                    algo_cfg["max_response_len"], top_p=ecfg["top_p"], top_k=ecfg["top_k"],

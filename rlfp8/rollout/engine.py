@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlfp8.profiling import phase
+
 from . import adapter_slots, compat
 
 log = logging.getLogger("rlfp8.rollout")
@@ -109,9 +111,10 @@ class RolloutEngine:
         if update is None:
             self.lora = None
             return 0
-        if self.lora is None:
-            self._register(update)
-        adapter_slots.write_slot(self._manager(), ADAPTER_ID, update)
+        with phase("engine/set_adapter"):
+            if self.lora is None:
+                self._register(update)
+            adapter_slots.write_slot(self._manager(), ADAPTER_ID, update)
         self.version = int(update["version"])
         return self.version
 
@@ -159,22 +162,25 @@ class RolloutEngine:
                                   logprobs=0, stop_token_ids=stop_token_ids or None,
                                   seed=None if seed is None else prompt_seed(seed, i))
         prompts = [{"prompt_token_ids": list(p)} for p in prompt_ids]
-        outs = self.llm.generate(prompts, [params(i) for i in range(len(prompts))], use_tqdm=False,
-                                 lora_request=self.lora if use_adapter else None)
+        with phase("engine/generate"):
+            outs = self.llm.generate(prompts, [params(i) for i in range(len(prompts))], use_tqdm=False,
+                                     lora_request=self.lora if use_adapter else None)
         samples = []
-        for i, ro in enumerate(outs):
-            for c in ro.outputs:
-                ids = list(c.token_ids)
-                lps = [] if greedy else [c.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
-                samples.append(Sample(i, ids, lps, str(c.finish_reason), c.text))
+        with phase("engine/outputs"):          # token ids and sampled-token log-probs out of vLLM's objects
+            for i, ro in enumerate(outs):
+                for c in ro.outputs:
+                    ids = list(c.token_ids)
+                    lps = [] if greedy else [c.logprobs[t][tok].logprob for t, tok in enumerate(ids)]
+                    samples.append(Sample(i, ids, lps, str(c.finish_reason), c.text))
         return samples
 
     def score(self, sequences: list[list[int]], prompt_lens: list[int], use_adapter: bool = True) -> list[list[float]]:
         """Log-probs (temperature 1, full vocabulary) of each sequence's tokens after its prompt."""
         from vllm import SamplingParams
         sp = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
-        outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], sp, use_tqdm=False,
-                                 lora_request=self.lora if use_adapter else None)
+        with phase("engine/score"):
+            outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], sp, use_tqdm=False,
+                                     lora_request=self.lora if use_adapter else None)
         result = []
         for seq, p, ro in zip(sequences, prompt_lens, outs):
             result.append([ro.prompt_logprobs[t][seq[t]].logprob for t in range(p, len(seq))])

@@ -48,3 +48,8 @@ class RolloutEngineInterface(ABC):
     @abstractmethod
     def memory(self) -> dict[str, float]:
         """memory/* metrics of the engine's process."""
+
+    def take_phase_times(self, synchronize: bool | None = None) -> dict[str, dict[str, float]]:
+        """This process's phase times since the last call (rlfp8.profiling; bench/step_profile.py)."""
+        from rlfp8.profiling import take_phase_times
+        return take_phase_times(synchronize)

@@ -27,6 +27,7 @@ import torch
 
 from rlfp8 import algos
 from rlfp8.kernels import dispatch
+from rlfp8.profiling import phase, phased
 from .adapter_io import load_adapter, save_adapter
 from .adapters import adapter_kind
 from .fp8_lora import adapters_disabled
@@ -179,20 +180,24 @@ class PolicyTrainer(TrainerInterface):
         self.optimizer.zero_grad(set_to_none=True)
         acc: dict[str, list[float]] = {}
         for mb in mini_batch.micro_batches:
-            logp, ent = self._logp(mb, entropy=True)
-            old_logp = mb["old_logp"] if "old_logp" in mb else logp.detach()
-            mask = mb["mask"]
-            if mini_batch.mismatch is not None:      # mismatch of pi_old vs the engine, once per sequence
-                mini_batch.mismatch.append((old_logp.detach(), mb["rollout_logp"], mask))
-            loss, metrics = self._policy_loss(mb, logp, old_logp, ent, mini_batch.denominator)
-            loss.backward()
-            _acc(acc, "train/tokens", int(mb["attention_mask"].sum()))
-            _acc(acc, "train/loss", loss.item())
-            _acc(acc, "train/entropy", float((ent.detach() * mask).sum() / mask.sum().clamp(min=1)))
-            for k, v in metrics.items():
-                _acc(acc, k, v)
+            with phase("trainer/forward"):
+                logp, ent = self._logp(mb, entropy=True)
+                old_logp = mb["old_logp"] if "old_logp" in mb else logp.detach()
+                mask = mb["mask"]
+                if mini_batch.mismatch is not None:      # mismatch of pi_old vs the engine, once per sequence
+                    mini_batch.mismatch.append((old_logp.detach(), mb["rollout_logp"], mask))
+                loss, metrics = self._policy_loss(mb, logp, old_logp, ent, mini_batch.denominator)
+            with phase("trainer/backward"):
+                loss.backward()
+            with phase("trainer/metrics"):
+                _acc(acc, "train/tokens", int(mb["attention_mask"].sum()))
+                _acc(acc, "train/loss", loss.item())
+                _acc(acc, "train/entropy", float((ent.detach() * mask).sum() / mask.sum().clamp(min=1)))
+                for k, v in metrics.items():
+                    _acc(acc, k, v)
         return acc
 
+    @phased("trainer/optimizer")
     def optimizer_step(self) -> dict[str, float]:
         gn = torch.nn.utils.clip_grad_norm_(self.params, float(self.cfg["trainer"]["grad_clip"]))
         if torch.isfinite(gn):
@@ -208,7 +213,8 @@ class PolicyTrainer(TrainerInterface):
         t0 = time.time()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        plan = self._plan(batch)
+        with phase("trainer/plan"):          # micro-batches, pi_old / reference log-probs, statistics
+            plan = self._plan(batch)
         epochs = int(self.cfg["trainer"]["epochs"])
         acc: dict[str, list[float]] = {}
         mismatch: list = []
@@ -236,6 +242,7 @@ class PolicyTrainer(TrainerInterface):
         return out
 
     # ------------------------------------------------------------------ adapters and checkpoints
+    @phased("trainer/export")
     def export_adapter(self) -> dict:
         self.adapter_version += 1
         return {"version": self.adapter_version, "tensors": self.adapter.state_dict(self.model),

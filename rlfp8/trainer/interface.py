@@ -82,3 +82,8 @@ class TrainerInterface(ABC):
     @abstractmethod
     def restore_base(self) -> None:
         """Before training: the frozen base is back where the forward pass needs it."""
+
+    def take_phase_times(self, synchronize: bool | None = None) -> dict[str, dict[str, float]]:
+        """This process's phase times since the last call (rlfp8.profiling; bench/step_profile.py)."""
+        from rlfp8.profiling import take_phase_times
+        return take_phase_times(synchronize)

@@ -1,0 +1,49 @@
+"""bench/step_profile.py's accounting: a call's Ray overhead is its driver wall time minus its actor's phases,
+and the rows add up to the step."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "step_profile.py"
+
+
+@pytest.fixture(scope="module")
+def step_profile():
+    spec = importlib.util.spec_from_file_location("step_profile", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_breakdown_charges_ray_overhead_and_adds_up(step_profile):
+    engine = {"engine/generate": {"s": 2.0, "n": 1}, "engine/outputs": {"s": 0.25, "n": 1},
+              "engine/score": {"s": 0.5, "n": 1}}
+    trainer = {"trainer/forward": {"s": 1.0, "n": 4}, "trainer/backward": {"s": 1.5, "n": 4}}
+    driver = {"driver/reward": {"s": 0.1, "n": 1}, "driver/log": {"s": 0.3, "n": 1}}
+    calls = {"generate": {"s": 2.5, "n": 1}, "train_step": {"s": 2.75, "n": 1}, "score": {"s": 0.5, "n": 1},
+             "memory": {"s": 0.2, "n": 1}}
+    rows = step_profile.breakdown(7.0, driver, calls, engine, trainer)
+    assert rows["ray:generate"] == pytest.approx(0.25)
+    assert rows["ray:train_step"] == pytest.approx(0.25)
+    assert rows["ray:score"] == pytest.approx(0.0)
+    assert rows["driver:driver/log"] == pytest.approx(0.1)          # the memory() call inside it is its own row
+    assert rows["call:memory"] == pytest.approx(0.2)
+    assert sum(rows.values()) == pytest.approx(7.0)
+    assert rows["unaccounted"] == pytest.approx(7.0 - 2.0 - 0.25 - 0.5 - 1.0 - 1.5 - 0.1 - 0.1 - 0.25 - 0.25 - 0.2)
+
+
+def test_phase_timer_adds_up_repeated_phases_and_resets():
+    from rlfp8 import profiling
+    profiling.take_phase_times()
+    for _ in range(3):
+        with profiling.phase("x"):
+            pass
+
+    @profiling.phased("y")
+    def f(a):
+        return a + 1
+    assert f(1) == 2
+    got = profiling.take_phase_times()
+    assert got["x"]["n"] == 3 and got["y"]["n"] == 1 and got["x"]["s"] >= 0
+    assert profiling.take_phase_times() == {}
