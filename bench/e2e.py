@@ -7,7 +7,7 @@
 
 Each --run is NAME:comma-separated overrides for `rlfp8-train` (recipe=quickstart unless given).
 Every run is a separate process (its own Ray instance); a failing run is recorded with its error and
-the others still run. Per run: mean step times (rollout / train / sync / step, first step excluded
+the others still run; --parallel N runs N at once (learning checks; their step times share the device). Per run: mean step times (rollout / train / sync / step, first step excluded
 when there are more than two), peak device memory per actor, eval reward before/after, the last
 train reward, the mean of mismatch/kl_k3 and mismatch/abs_logp_diff_mean, and the wall time.
 """
@@ -67,36 +67,54 @@ def versions() -> dict:
     return out
 
 
+def _start(spec: str, runs_root: str):
+    """Launch one `rlfp8-train` process for NAME:overrides; its output goes to <runs_root>/<NAME>.log."""
+    name, _, ov = spec.partition(":")
+    overrides = [o for o in ov.split(",") if o]
+    if not any(o.startswith("recipe=") for o in overrides):
+        overrides.insert(0, "recipe=quickstart")
+    run_dir = Path(runs_root) / name
+    cmd = [sys.executable, "-m", "rlfp8.train", f"run_dir={run_dir}", "logger.wandb.mode=offline", *overrides]
+    print(f"== {name}: {' '.join(cmd)}", flush=True)
+    log_path = Path(runs_root) / f"{name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    p = subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, text=True, env={**os.environ})
+    return name, overrides, p, time.time(), log_path
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--run", action="append", required=True, help="NAME:override,override,...")
     ap.add_argument("--runs-root", default="runs/bench-e2e")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="runs at once (each its own process and Ray instance; step times then share the device)")
     args = ap.parse_args()
     result = {"command": " ".join([sys.executable] + sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "versions": versions(), "runs": {}}
-    for spec in args.run:
-        name, _, ov = spec.partition(":")
-        overrides = [o for o in ov.split(",") if o]
-        if not any(o.startswith("recipe=") for o in overrides):
-            overrides.insert(0, "recipe=quickstart")
+    runs = [_start(spec, args.runs_root) for spec in args.run[: args.parallel]]
+    pending = list(args.run[args.parallel:])
+    while runs:
+        name, overrides, p, t0, log_path = runs.pop(0)
+        try:
+            p.wait(timeout=max(args.timeout - (time.time() - t0), 1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        entry = {"overrides": overrides, "returncode": p.returncode, "wall_s": round(time.time() - t0, 1),
+                 "concurrent_runs": args.parallel}
         run_dir = Path(args.runs_root) / name
-        cmd = [sys.executable, "-m", "rlfp8.train", f"run_dir={run_dir}", "logger.wandb.mode=offline", *overrides]
-        print(f"== {name}: {' '.join(cmd)}", flush=True)
-        t0 = time.time()
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env={**os.environ})
-        entry = {"overrides": overrides, "returncode": p.returncode, "wall_s": round(time.time() - t0, 1)}
-        (Path(args.runs_root) / f"{name}.log").parent.mkdir(parents=True, exist_ok=True)
-        (Path(args.runs_root) / f"{name}.log").write_text(p.stdout + "\n----- stderr -----\n" + p.stderr)
         if (run_dir / "metrics.jsonl").exists():
             entry.update(summarize(run_dir))
         if p.returncode != 0:
-            entry["error_tail"] = (p.stderr or p.stdout)[-2500:]
+            entry["error_tail"] = log_path.read_text()[-2500:]
         result["runs"][name] = entry
         print(json.dumps(entry, indent=1)[:3000], flush=True)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
+        if pending:
+            runs.append(_start(pending.pop(0), args.runs_root))
     print(f"wrote {args.out}")
     return 0 if all(r["returncode"] == 0 for r in result["runs"].values()) else 1
 

@@ -10,6 +10,8 @@
 #   e2e      bench/e2e.py: tiny end to end, then the quickstart with engine.precision=bf16 and w8a8
 #   plugin   the vLLM plugin's GPU tests (matched layer stack, vLLM 0.26 eager and CUDA graphs)
 #   serve    bench/serve.py (ENGINES=comma list; appends to bench/results/serve_h200.json under $OUT)
+#   profile  bench/step_profile.py on the quickstart: default, then PROFILE_VARIANTS="label:ov,ov;label:ov"
+#   learn    bench/e2e.py --parallel: RUNS="name:ov,ov name:ov" learning runs at once (LEARN_PARALLEL)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -55,6 +57,25 @@ serve)
     timeout 560 $PY bench/serve.py --out "$OUT/r/serve_h200.json" --engines "${ENGINES:-ours_w8a16,vllm_bf16}" 2>&1 | tail -40
     cp /tmp/rlfp8-serve/*.log "$OUT/" 2>/dev/null
     ;;
+profile)   # bench/step_profile.py on the quickstart (default config, then PROFILE_VARIANTS: "label:ov,ov;label:ov")
+    mkdir -p "$OUT/r"
+    IFS=';' read -ra variants <<< "default:;${PROFILE_VARIANTS:-}"
+    for v in "${variants[@]}"; do
+        [ -z "$v" ] && continue
+        label=${v%%:*}; ov=${v#*:}; IFS=',' read -ra ovs <<< "$ov"
+        timeout ${PROFILE_TIMEOUT:-240} $PY bench/step_profile.py --out "$OUT/r/step_profile_$label.json" --label "$label" \
+            --steps ${PROFILE_STEPS:-5} "${ovs[@]}" > "$OUT/step_profile_$label.log" 2>&1
+        echo "== $label rc=$?"; grep -A40 "mean step" "$OUT/step_profile_$label.log" | head -30
+    done
+    ;;
+learn)     # RUNS="name:ov,ov name:ov" quickstart learning runs, LEARN_PARALLEL at once
+    mkdir -p "$OUT/r"; runs=(); for r in ${RUNS}; do runs+=(--run "$r"); done
+    $PY bench/e2e.py --out "$OUT/r/${LEARN_OUT:-learn_h200}.json" --runs-root /tmp/learn --parallel ${LEARN_PARALLEL:-3} \
+        --timeout ${RUN_TIMEOUT:-420} "${runs[@]}" 2>&1 | grep -E "^==|returncode|eval_reward|train_reward_final|wall_s|error" | head -60
+    mkdir -p "$OUT/learn"; for d in /tmp/learn/*/; do n=$(basename "$d"); cp "$d/metrics.jsonl" "$OUT/learn/$n.metrics.jsonl" 2>/dev/null
+        cp "$d/kernels.json" "$OUT/learn/$n.kernels.json" 2>/dev/null; done
+    for f in /tmp/learn/*.log; do tail -c 6000 "$f" > "$OUT/learn/$(basename "$f")"; done
+    ;;
 *)
-    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve [--run NAME:overrides ...]"; exit 2 ;;
+    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn [--run NAME:overrides ...]"; exit 2 ;;
 esac
