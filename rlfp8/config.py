@@ -213,9 +213,18 @@ def _get(cfg, key):
 
 def validate(cfg: DictConfig) -> None:
     _check_values(cfg)
+    _check_kernel_knobs(cfg)
     _check_rules(cfg)
     _check_data(cfg)
     _check_available(cfg)
+
+
+def _check_kernel_knobs(cfg: DictConfig) -> None:
+    from rlfp8.kernels.knobs import check_section
+    try:
+        check_section(OmegaConf.to_container(cfg.kernels, resolve=True))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_values(cfg: DictConfig) -> None:

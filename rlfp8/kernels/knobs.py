@@ -116,6 +116,12 @@ def restore_knobs(saved: KernelKnobs) -> None:
     _knobs = saved
 
 
+def check_section(section: dict) -> None:
+    """Validate the config section `kernels` (a ValueError names kernels.<knob> and its allowed values)."""
+    for name, value in section.items():
+        _validated(name, value, f"kernels.{name}")
+
+
 def apply_config(section: dict | None) -> KernelKnobs:
     """Set the knobs from the config section `kernels` (keys as in conf/kernels/default.yaml; missing keys
     take the defaults), then the environment overrides again. Returns the resulting knobs."""

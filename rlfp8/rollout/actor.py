@@ -2,6 +2,7 @@
 delegates to RolloutEngine (engine.py) in the actor's process."""
 from __future__ import annotations
 
+from rlfp8.kernels.knobs import apply_config
 from rlfp8.process import setup_actor_process
 
 from .interface import RolloutEngineInterface, Sample
@@ -10,6 +11,7 @@ from .interface import RolloutEngineInterface, Sample
 class RolloutActor(RolloutEngineInterface):
     def __init__(self, model_path: str, cfg: dict, scratch_dir: str, num_threads: int):
         setup_actor_process(num_threads, quiet_vllm=True)
+        apply_config(cfg["kernels"])          # the kernels.* knobs of the config, in this process
         from .engine import RolloutEngine
         self.engine = RolloutEngine(model_path, cfg)
         self.scratch_dir = scratch_dir

@@ -2,6 +2,7 @@
 (TrainerInterface); the actor only sets up its process first."""
 from __future__ import annotations
 
+from rlfp8.kernels.knobs import apply_config
 from rlfp8.process import setup_actor_process
 
 from .core import PolicyTrainer
@@ -11,4 +12,5 @@ class TrainerActor(PolicyTrainer):
     def __init__(self, model_path: str, cfg: dict, weight_source: str, num_threads: int,
                  weight_handles: dict | None = None):
         setup_actor_process(num_threads, quiet_vllm=False)
+        apply_config(cfg["kernels"])          # the kernels.* knobs of the config, in this process
         super().__init__(model_path, cfg, weight_source=weight_source, weight_handles=weight_handles)

@@ -290,3 +290,25 @@ def test_engine_enforce_eager_auto_is_eager_only_on_cpu(monkeypatch, value, cpu_
     monkeypatch.setattr(compat, "on_cpu_build", lambda: cpu_build)
     assert engine.eager_mode({"enforce_eager": value}) is eager
     assert compose([f"engine.enforce_eager={str(value).lower()}"]).engine.enforce_eager == value
+
+
+def test_kernel_knobs_are_checked_at_composition():
+    with pytest.raises(ConfigError, match=r"kernels.w8a16_widen='foo': allowed values are \('bits', 'cvt'\)"):
+        compose(["kernels.w8a16_widen=foo"])
+    assert compose(["kernels.k2_dist_red=false"]).kernels.k2_dist_red is False
+
+
+def test_both_actors_apply_the_kernels_section_in_their_process(monkeypatch):
+    """The actors' first act after the process set-up is knobs.apply_config(cfg['kernels'])."""
+    from rlfp8.rollout import actor as rollout_actor
+    from rlfp8.trainer import actor as trainer_actor
+    seen = []
+    for mod in (rollout_actor, trainer_actor):
+        monkeypatch.setattr(mod, "setup_actor_process", lambda *a, **k: None)
+        monkeypatch.setattr(mod, "apply_config", lambda section: (seen.append(section), 1 / 0))
+    cfg = {"kernels": {"k2_dist_red": False}}
+    with pytest.raises(ZeroDivisionError):
+        rollout_actor.RolloutActor("m", cfg, "s", 1)
+    with pytest.raises(ZeroDivisionError):
+        trainer_actor.TrainerActor("m", cfg, "quantize", 1)
+    assert seen == [cfg["kernels"], cfg["kernels"]]
