@@ -25,9 +25,16 @@ def call(actor_method, *args, **kwargs):
     return ray.get(actor_method.remote(*args, **kwargs))
 
 
-def make_placement(cfg: dict, model_path: str, scratch_dir: str):
+def make_placement(cfg: dict, model_path: str, scratch_dir: str, pg=None, bundle_index: int = 0):
+    """One pair's placement (in bundle `bundle_index` of the pairs' placement group `pg`, or its own)."""
     name = cfg["placement"]["name"]
     if name not in STRATEGIES:
         raise ValueError(f"placement.name={name!r}: allowed values are {list(STRATEGIES)}")
     module, cls = STRATEGIES[name].split(":")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)(cfg, model_path, scratch_dir)
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)(cfg, model_path, scratch_dir, pg, bundle_index)
+
+
+def make_pairs(cfg: dict, model_path: str, scratch_dir: str):
+    """ray.num_pairs engine + trainer pairs (rlfp8.placement.pairs.Pairs), each with the configured placement."""
+    from .pairs import Pairs
+    return Pairs(cfg, model_path, scratch_dir)

@@ -8,16 +8,19 @@ and after_setup once, when both actors are up. A strategy names its trainer's ba
 from __future__ import annotations
 
 from . import call  # noqa: F401  (the strategies' way to run an actor method)
-from .ray_setup import start_actors, stop_actors
+from .ray_setup import release_pairs, reserve_pairs, start_actors, stop_actors
 
 
 class Placement:
     name = ""
     weight_source = "quantize"
 
-    def __init__(self, cfg: dict, model_path: str, scratch_dir: str):
+    def __init__(self, cfg: dict, model_path: str, scratch_dir: str, pg=None, bundle_index: int = 0):
+        """pg: the pairs' placement group (rlfp8.placement.pairs); None: this placement reserves and owns one."""
         self.cfg = cfg
-        self.actors = start_actors(cfg, model_path, self.weight_source, scratch_dir)
+        self.owns_pg = pg is None
+        pg = reserve_pairs(cfg) if pg is None else pg
+        self.actors = start_actors(cfg, model_path, self.weight_source, scratch_dir, pg, bundle_index)
         self.engine, self.trainer = self.actors.engine, self.actors.trainer
         self.after_setup()
 
@@ -35,4 +38,6 @@ class Placement:
 
     def shutdown(self) -> None:
         stop_actors(self.actors)
+        if self.owns_pg:
+            release_pairs(self.actors.placement_group)
 

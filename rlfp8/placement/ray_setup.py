@@ -1,8 +1,10 @@
-"""Ray set-up in one place: join or start Ray, reserve the device, create the two role actors.
+"""Ray set-up in one place: join or start Ray, reserve one bundle per engine + trainer pair, create a
+pair's two role actors.
 
-One placement-group bundle holds the device; both actors are scheduled into it with half of it each
-(GPU: num_gpus=0.5 so Ray gives both the same card; CPU: fractional CPUs, and each actor sets its own
-thread count to all cores since the phases alternate and never run at the same time).
+Each pair's bundle holds its device; both actors of a pair are scheduled into it with half of it each
+(GPU: num_gpus=0.5 so Ray gives both the same card; CPU: fractional CPUs). On a CPU machine each actor sets
+its thread count to the machine's cores divided by ray.num_pairs: a pair's phases alternate, but the pairs
+run side by side. ray.address: null starts a local Ray instance; "auto" or "host:port" joins a cluster.
 """
 from __future__ import annotations
 
@@ -17,11 +19,20 @@ class Actors:
     engine: Any          # a Ray handle of rlfp8.rollout.actor.RolloutActor
     trainer: Any         # a Ray handle of rlfp8.trainer.actor.TrainerActor
     placement_group: Any
+    bundle_index: int = 0
+
+
+def _num_pairs(cfg: dict) -> int:
+    return int(cfg["ray"].get("num_pairs", 1))
 
 
 def _on_gpu(cfg: dict) -> bool:
+    """GPU pairs unless trainer.device=cpu: the driver's own CUDA, or GPUs in the joined cluster."""
+    import ray
     import torch
-    return torch.cuda.is_available() and cfg["trainer"]["device"] != "cpu"
+    if cfg["trainer"]["device"] == "cpu":
+        return False
+    return torch.cuda.is_available() or (ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0)
 
 
 def _init_ray(cfg: dict) -> None:
@@ -33,26 +44,54 @@ def _init_ray(cfg: dict) -> None:
     if rcfg["address"]:
         ray.init(address=rcfg["address"], **kw)
     else:
-        ray.init(num_cpus=int(rcfg["num_cpus"] or max(os.cpu_count() or 1, 2)),
-                 object_store_memory=int(float(rcfg["object_store_gb"]) * 2**30), **kw)
+        cpus = rcfg["num_cpus"] or max(os.cpu_count() or 1, 2 * _num_pairs(cfg))   # 2 logical CPUs per bundle
+        ray.init(num_cpus=int(cpus), object_store_memory=int(float(rcfg["object_store_gb"]) * 2**30), **kw)
 
 
-def start_actors(cfg: dict, model_path: str, weight_source: str, scratch_dir: str) -> Actors:
-    """The engine first (vLLM sizes its memory from what is free when it starts), then the trainer."""
+def reserve_pairs(cfg: dict) -> Any:
+    """Ray up, and a placement group of ray.num_pairs bundles (one GPU each on GPUs). Too few GPUs is a
+    ConfigError before any actor starts."""
     import ray
     from ray.util.placement_group import placement_group
+
+    from rlfp8.config import ConfigError
+    _init_ray(cfg)
+    n = _num_pairs(cfg)
+    if _on_gpu(cfg):
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if gpus < n:
+            raise ConfigError(f"ray.num_pairs={n} needs {n} GPUs (one per engine + trainer pair); the Ray "
+                              f"{'cluster at ray.address=' + str(cfg['ray']['address']) if cfg['ray']['address'] else 'instance'}"
+                              f" has {gpus:g}")
+        bundle = {"GPU": 1, "CPU": 2}
+    else:
+        bundle = {"CPU": 2}
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+    ray.get(pg.ready(), timeout=300)
+    return pg
+
+
+def release_pairs(pg: Any) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+    remove_placement_group(pg)
+    ray.shutdown()
+
+
+def start_actors(cfg: dict, model_path: str, weight_source: str, scratch_dir: str, pg: Any,
+                 bundle_index: int = 0) -> Actors:
+    """One pair in bundle `bundle_index` of `pg`: the engine first (vLLM sizes its memory from what is free
+    when it starts), then the trainer."""
+    import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from rlfp8.rollout.actor import RolloutActor
     from rlfp8.trainer.actor import TrainerActor
 
-    _init_ray(cfg)
     on_gpu = _on_gpu(cfg)
-    threads = int(cfg["trainer"]["num_threads"] or os.cpu_count() or 1)
-    pg = placement_group([{"GPU": 1, "CPU": 2} if on_gpu else {"CPU": 2}], strategy="PACK")
-    ray.get(pg.ready(), timeout=300)
+    threads = int(cfg["trainer"]["num_threads"] or max(1, (os.cpu_count() or 1) // _num_pairs(cfg)))
     options = dict(scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
-                                                                        placement_group_bundle_index=0),
+                                                                        placement_group_bundle_index=bundle_index),
                    runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
                                              "PYTHONUNBUFFERED": "1"}})
     res = dict(num_gpus=0.5, num_cpus=1) if on_gpu else dict(num_cpus=1)
@@ -62,13 +101,10 @@ def start_actors(cfg: dict, model_path: str, weight_source: str, scratch_dir: st
     trainer = ray.remote(**res)(TrainerActor).options(**options).remote(model_path, cfg, weight_source, threads,
                                                                         handles)
     ray.get(trainer.kernel_report.remote())
-    return Actors(engine, trainer, pg)
+    return Actors(engine, trainer, pg, bundle_index)
 
 
 def stop_actors(actors: Actors) -> None:
     import ray
-    from ray.util.placement_group import remove_placement_group
     for a in (actors.engine, actors.trainer):
         ray.kill(a)
-    remove_placement_group(actors.placement_group)
-    ray.shutdown()

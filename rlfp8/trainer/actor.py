@@ -5,6 +5,7 @@ from __future__ import annotations
 from rlfp8.process import setup_actor_process
 
 from .core import PolicyTrainer
+from .data_parallel import rendezvous_address
 
 
 class TrainerActor(PolicyTrainer):
@@ -12,3 +13,7 @@ class TrainerActor(PolicyTrainer):
                  weight_handles: dict | None = None):
         setup_actor_process(num_threads, quiet_vllm=False)
         super().__init__(model_path, cfg, weight_source=weight_source, weight_handles=weight_handles)
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """(host, free port) of this actor's node: pair 0's trainer hosts the data-parallel rendezvous."""
+        return rendezvous_address()
