@@ -368,9 +368,14 @@ def prompt_token_limit(cfg: dict) -> int:
 
 # ------------------------------------------------------------------ resume: the saved config + the given overrides
 def with_new_defaults(saved: dict) -> dict:
-    """A saved run's config plus the top-level keys added to conf/config.yaml since it was written."""
+    """A saved run's config plus the keys added to conf/config.yaml since it was written: top-level keys, and
+    keys of its own sections (ray.num_pairs, ...; a config group's section is the saved choice's, kept)."""
     base = to_dict(base_config())
-    return {**{k: v for k, v in base.items() if k not in saved}, **saved}
+    merged = {**{k: v for k, v in base.items() if k not in saved}, **saved}
+    for k, v in base.items():
+        if isinstance(v, dict) and isinstance(saved.get(k), dict) and not (CONF_DIR / k).is_dir():
+            merged[k] = {**{sk: sv for sk, sv in v.items() if sk not in saved[k]}, **saved[k]}
+    return merged
 
 
 def _parse_overrides(overrides: list[str]) -> list:

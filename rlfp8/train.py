@@ -141,7 +141,7 @@ def setup(cfg: dict, folder, resuming: bool) -> Run:
     from rlfp8.data import build_dataset
     from rlfp8.data.tasks import LOOP_KEYS
     from rlfp8.logger import RunLogger
-    from rlfp8.placement import make_pairs
+    from rlfp8.placement.pairs import Pairs
     from rlfp8.trainer.hf_models import resolve_model
 
     run_dir = folder.path
@@ -161,7 +161,11 @@ def setup(cfg: dict, folder, resuming: bool) -> Run:
                        name=lcfg["wandb"]["name"] or run_dir.name, resume=resuming,
                        console_every=lcfg["console_every"])
     scratch_dir = folder.scratch_dir()
-    placement = make_pairs(cfg, model_path, str(scratch_dir))
+    from rlfp8.placement.ray_setup import NotEnoughGPUsError
+    try:
+        placement = Pairs(cfg, model_path, str(scratch_dir))
+    except NotEnoughGPUsError as e:
+        raise ConfigError(str(e)) from None
     r = Run(cfg, folder, run_dir, tokenizer, train_stream, eval_set, logger, placement, scratch_dir)
     r.probe = make_probe(r)
     return r

@@ -32,9 +32,3 @@ def make_placement(cfg: dict, model_path: str, scratch_dir: str, pg=None, bundle
         raise ValueError(f"placement.name={name!r}: allowed values are {list(STRATEGIES)}")
     module, cls = STRATEGIES[name].split(":")
     return getattr(importlib.import_module(f"{__name__}.{module}"), cls)(cfg, model_path, scratch_dir, pg, bundle_index)
-
-
-def make_pairs(cfg: dict, model_path: str, scratch_dir: str):
-    """ray.num_pairs engine + trainer pairs (rlfp8.placement.pairs.Pairs), each with the configured placement."""
-    from .pairs import Pairs
-    return Pairs(cfg, model_path, scratch_dir)

@@ -22,6 +22,10 @@ class Actors:
     bundle_index: int = 0
 
 
+class NotEnoughGPUsError(RuntimeError):
+    """ray.num_pairs asks for more GPUs than Ray has (rlfp8.train reports it as a config error)."""
+
+
 def _num_pairs(cfg: dict) -> int:
     return int(cfg["ray"].get("num_pairs", 1))
 
@@ -49,18 +53,16 @@ def _init_ray(cfg: dict) -> None:
 
 
 def reserve_pairs(cfg: dict) -> Any:
-    """Ray up, and a placement group of ray.num_pairs bundles (one GPU each on GPUs). Too few GPUs is a
-    ConfigError before any actor starts."""
+    """Ray up, and a placement group of ray.num_pairs bundles (one GPU each on GPUs). Too few GPUs:
+    NotEnoughGPUsError before any actor starts."""
     import ray
     from ray.util.placement_group import placement_group
-
-    from rlfp8.config import ConfigError
     _init_ray(cfg)
     n = _num_pairs(cfg)
     if _on_gpu(cfg):
         gpus = ray.cluster_resources().get("GPU", 0)
         if gpus < n:
-            raise ConfigError(f"ray.num_pairs={n} needs {n} GPUs (one per engine + trainer pair); the Ray "
+            raise NotEnoughGPUsError(f"ray.num_pairs={n} needs {n} GPUs (one per engine + trainer pair); the Ray "
                               f"{'cluster at ray.address=' + str(cfg['ray']['address']) if cfg['ray']['address'] else 'instance'}"
                               f" has {gpus:g}")
         bundle = {"GPU": 1, "CPU": 2}

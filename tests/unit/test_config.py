@@ -40,6 +40,10 @@ def test_overrides_beat_the_recipe(monkeypatch):
     ("recipe=nope", "allowed values are ['quickstart'"),
     ("resume=true", "resume=true needs run_dir"),
     ("algo.max_response_len=500", "engine.max_model_len"),
+    ("ray.num_pairs=0", "ray.num_pairs=0: must be an integer >= 1"),
+    ("ray.num_pairs=two", "ray.num_pairs='two': must be an integer >= 1"),
+    ("ray.num_pairs=13", "ray.num_pairs=13 is more than data.prompts_per_step=12"),
+    ("ray.address=nowhere", "ray.address='nowhere': must be null (start a local Ray), auto"),
 ])
 def test_bad_values_name_the_key(override, needle):
     with pytest.raises(ConfigError) as e:
@@ -271,3 +275,15 @@ def test_prompt_token_limit_leaves_room_for_the_response():
     cfg = to_dict(compose(["model=tiny", "data.max_prompt_tokens=null", "engine.max_model_len=300",
                            "algo.max_response_len=100"]))
     assert prompt_token_limit(cfg) == 200
+
+
+def test_ray_address_forms():
+    for address in ("auto", "10.0.0.2:6379", "head-node:6379", "ray://head:10001"):
+        assert to_dict(compose([f"ray.address={address}", "ray.num_pairs=2"]))["ray"]["address"] == address
+
+
+def test_saved_config_gains_new_section_keys():
+    saved = to_dict(compose(["model=tiny"]))
+    del saved["ray"]["num_pairs"]                     # a run saved before the key existed
+    merged = config.with_new_defaults(saved)
+    assert merged["ray"]["num_pairs"] == 1 and merged["model"] == saved["model"]
