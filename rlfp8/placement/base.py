@@ -8,19 +8,21 @@ and after_setup once, when both actors are up. A strategy names its trainer's ba
 from __future__ import annotations
 
 from . import call  # noqa: F401  (the strategies' way to run an actor method)
-from .ray_setup import release_pairs, reserve_pairs, start_actors, stop_actors
+from .ray_setup import Actors, release_pairs, reserve_pairs, start_pairs, stop_actors
 
 
 class Placement:
     name = ""
     weight_source = "quantize"
 
-    def __init__(self, cfg: dict, model_path: str, scratch_dir: str, pg=None, bundle_index: int = 0):
-        """pg: the pairs' placement group (rlfp8.placement.pairs); None: this placement reserves and owns one."""
+    def __init__(self, cfg: dict, model_path: str, scratch_dir: str, actors: Actors | None = None):
+        """actors: this pair's, started by rlfp8.placement.pairs; None: this placement reserves a bundle and
+        starts (and owns) its own."""
         self.cfg = cfg
-        self.owns_pg = pg is None
-        pg = reserve_pairs(cfg) if pg is None else pg
-        self.actors = start_actors(cfg, model_path, self.weight_source, scratch_dir, pg, bundle_index)
+        self.owns_pg = actors is None
+        if actors is None:
+            actors = start_pairs(cfg, model_path, self.weight_source, [scratch_dir], reserve_pairs(cfg))[0]
+        self.actors = actors
         self.engine, self.trainer = self.actors.engine, self.actors.trainer
         self.after_setup()
 

@@ -1,7 +1,7 @@
 """ray.num_pairs engine + trainer pairs: what the RL loop drives (rlfp8.train holds one Pairs).
 
 - Each pair is one placement (two_copies | offloaded | one_copy: placement.name, the same for every pair)
-  in its own bundle of one placement group (ray_setup.reserve_pairs); pair 0 serves the eval's adapter-free
+  in its own bundle of one placement group (ray_setup.reserve_pairs), the pairs started side by side; pair 0 serves the eval's adapter-free
   probe, the parity probe, the kernel report and writes checkpoints (one writer).
 - Rollouts: a step's prompts are cut into contiguous shares, one per pair (a prompt's whole group stays in
   one pair); pair p samples with seed + p, so pair 0 of N samples what one pair would for those prompts.
@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from . import call, make_placement
-from .ray_setup import release_pairs, reserve_pairs, stop_actors
+from . import call, make_placement, placement_class
+from .ray_setup import release_pairs, reserve_pairs, start_pairs, stop_actors
 
 log = logging.getLogger("rlfp8.placement")
 
@@ -73,15 +73,18 @@ class Pairs:
         self.cfg = cfg
         self.num_pairs = int(cfg["ray"]["num_pairs"])
         self.pg = reserve_pairs(cfg)
-        self.pairs = []
+        self.pairs, actors = [], []
+        dirs = [scratch_dir] if self.num_pairs == 1 else [str(Path(scratch_dir) / f"pair{i}")
+                                                          for i in range(self.num_pairs)]
         try:
-            for i in range(self.num_pairs):
-                pair_dir = scratch_dir if self.num_pairs == 1 else str(Path(scratch_dir) / f"pair{i}")
-                self.pairs.append(make_placement(cfg, model_path, pair_dir, self.pg, i))
+            actors = start_pairs(cfg, model_path, placement_class(cfg).weight_source, dirs, self.pg)
+            for d, a in zip(dirs, actors):
+                self.pairs.append(make_placement(cfg, model_path, d, a))
             if self.num_pairs > 1:
                 join_process_group(self.trainers)
         except BaseException:
-            self.shutdown()
+            self.pairs = []
+            self.shutdown(actors)
             raise
 
     @property
@@ -160,7 +163,7 @@ class Pairs:
         if self.num_pairs > 1:
             self.verify_adapters(f"after loading {ckpt_dir}")
 
-    def shutdown(self) -> None:
-        for p in self.pairs:
-            stop_actors(p.actors)
+    def shutdown(self, actors: list | None = None) -> None:
+        for a in actors if actors is not None else [p.actors for p in self.pairs]:
+            stop_actors(a)
         release_pairs(self.pg)

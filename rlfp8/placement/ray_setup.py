@@ -80,30 +80,40 @@ def release_pairs(pg: Any) -> None:
     ray.shutdown()
 
 
-def start_actors(cfg: dict, model_path: str, weight_source: str, scratch_dir: str, pg: Any,
-                 bundle_index: int = 0) -> Actors:
-    """One pair in bundle `bundle_index` of `pg`: the engine first (vLLM sizes its memory from what is free
-    when it starts), then the trainer."""
-    import ray
+def _actor_options(cfg: dict, pg: Any, bundle_index: int) -> tuple[dict, dict, int]:
+    """(scheduling options, resources, threads) of an actor in bundle `bundle_index` of `pg`."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from rlfp8.rollout.actor import RolloutActor
-    from rlfp8.trainer.actor import TrainerActor
-
-    on_gpu = _on_gpu(cfg)
     threads = int(cfg["trainer"]["num_threads"] or max(1, (os.cpu_count() or 1) // _num_pairs(cfg)))
     options = dict(scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                         placement_group_bundle_index=bundle_index),
                    runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
                                              "PYTHONUNBUFFERED": "1"}})
-    res = dict(num_gpus=0.5, num_cpus=1) if on_gpu else dict(num_cpus=1)
-    engine = ray.remote(**res)(RolloutActor).options(**options).remote(model_path, cfg, scratch_dir, threads)
-    ray.get(engine.memory.remote())
-    handles = ray.get(engine.export_weights.remote()) if weight_source == "map" else None
-    trainer = ray.remote(**res)(TrainerActor).options(**options).remote(model_path, cfg, weight_source, threads,
-                                                                        handles)
-    ray.get(trainer.kernel_report.remote())
-    return Actors(engine, trainer, pg, bundle_index)
+    res = dict(num_gpus=0.5, num_cpus=1) if _on_gpu(cfg) else dict(num_cpus=1)
+    return options, res, threads
+
+
+def start_pairs(cfg: dict, model_path: str, weight_source: str, scratch_dirs: list[str], pg: Any) -> list[Actors]:
+    """One pair per bundle of `pg` (scratch_dirs[i]: pair i's), the pairs side by side: every engine first
+    (vLLM sizes its memory from what is free on its card when it starts), then every trainer."""
+    import ray
+
+    from rlfp8.rollout.actor import RolloutActor
+    from rlfp8.trainer.actor import TrainerActor
+    engines = []
+    for i, scratch_dir in enumerate(scratch_dirs):
+        options, res, threads = _actor_options(cfg, pg, i)
+        engines.append(ray.remote(**res)(RolloutActor).options(**options).remote(model_path, cfg, scratch_dir,
+                                                                                 threads))
+    ray.get([e.memory.remote() for e in engines])
+    handles = (ray.get([e.export_weights.remote() for e in engines]) if weight_source == "map"
+               else [None] * len(engines))
+    trainers = []
+    for i, h in enumerate(handles):
+        options, res, threads = _actor_options(cfg, pg, i)
+        trainers.append(ray.remote(**res)(TrainerActor).options(**options).remote(model_path, cfg, weight_source,
+                                                                                  threads, h))
+    ray.get([t.kernel_report.remote() for t in trainers])
+    return [Actors(e, t, pg, i) for i, (e, t) in enumerate(zip(engines, trainers))]
 
 
 def stop_actors(actors: Actors) -> None:
