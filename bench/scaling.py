@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -36,7 +37,8 @@ def gpu_count() -> int:
 def run_pairs(n: int, args, overrides: list[str]) -> dict:
     prompts = args.prompts_per_pair * n
     run_dir = Path(args.runs_root) / f"pairs{n}"
-    cmd = [sys.executable, "-m", "rlfp8.train", f"recipe={args.recipe}", f"run_dir={run_dir}", "new_run=true",
+    shutil.rmtree(run_dir, ignore_errors=True)                 # a bench run folder is disposable
+    cmd = [sys.executable, "-m", "rlfp8.train", f"recipe={args.recipe}", f"run_dir={run_dir}",
            "logger.wandb.mode=disabled", f"steps={args.steps}", "eval_every=0", "save_every=0",
            f"data.eval_size={args.eval_size}", f"ray.num_pairs={n}", f"data.prompts_per_step={prompts}",
            f"algo.group_size={args.group_size}", f"algo.max_response_len={args.max_response_len}", *overrides]
