@@ -110,9 +110,12 @@ class Pairs:
             p.before_train()
 
     def generate(self, prompt_ids: list[list[int]], n: int, *args, seed: int | None = None, **kwargs) -> list:
-        """engine.generate over the pairs (contiguous prompt shares, side by side); prompt_index is global."""
+        """engine.generate over the pairs (contiguous prompt shares, side by side; fewer prompts than pairs, as
+        in a small eval set: the first pairs only); prompt_index is global."""
         import ray
-        shares = prompt_shares(len(prompt_ids), self.num_pairs)
+        if not prompt_ids:
+            return []
+        shares = prompt_shares(len(prompt_ids), min(self.num_pairs, len(prompt_ids)))
         refs = [p.engine.generate.remote(prompt_ids[a:b], n, *args, seed=None if seed is None else seed + i, **kwargs)
                 for i, (p, (a, b)) in enumerate(zip(self.pairs, shares))]
         samples = []

@@ -164,6 +164,7 @@ def test_prompt_shares_keep_groups_whole():
     from rlfp8.placement.pairs import merge_metrics, prompt_shares
     assert prompt_shares(5, 2) == [(0, 3), (3, 5)]
     assert prompt_shares(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert prompt_shares(7, 3) == [(0, 3), (3, 5), (5, 7)]
     with pytest.raises(ValueError, match="prompts_per_step must be >= ray.num_pairs"):
         prompt_shares(1, 2)
     merged = merge_metrics([{"train/loss": 1.0, "train/kl": 2.0, "memory/x": 1.0},
