@@ -80,6 +80,14 @@ def release_pairs(pg: Any) -> None:
     ray.shutdown()
 
 
+def _multicast_env() -> dict[str, str]:
+    """NVLink multicast stays off in the actors' NCCL unless the user turned it on (the adapter all-reduce
+    is small; on shared hosts a multicast fault can take the GPUs out of service); the driver's own
+    multicast settings reach the actors unchanged."""
+    env = {k: os.environ[k] for k in ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS") if k in os.environ}
+    return {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0"), **env}
+
+
 def _actor_options(cfg: dict, pg: Any, bundle_index: int) -> tuple[dict, dict, int]:
     """(scheduling options, resources, threads) of an actor in bundle `bundle_index` of `pg`."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -87,7 +95,7 @@ def _actor_options(cfg: dict, pg: Any, bundle_index: int) -> tuple[dict, dict, i
     options = dict(scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                         placement_group_bundle_index=bundle_index),
                    runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
-                                             "PYTHONUNBUFFERED": "1"}})
+                                             "PYTHONUNBUFFERED": "1", **_multicast_env()}})
     res = dict(num_gpus=0.5, num_cpus=1) if _on_gpu(cfg) else dict(num_cpus=1)
     return options, res, threads
 
