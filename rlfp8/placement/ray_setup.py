@@ -27,7 +27,7 @@ class NotEnoughGPUsError(RuntimeError):
 
 
 def _num_pairs(cfg: dict) -> int:
-    return int(cfg["ray"].get("num_pairs", 1))
+    return int(cfg["ray"]["num_pairs"])
 
 
 def _on_gpu(cfg: dict) -> bool:
