@@ -63,7 +63,7 @@ def choices() -> dict[str, tuple]:
 
 POSITIVE_INT = ("steps", "adapter.rank", "algo.group_size", "algo.max_response_len", "data.prompts_per_step",
                 "engine.max_model_len", "trainer.micro_batch_tokens", "trainer.mini_batches", "trainer.epochs",
-                "trainer.logprob_chunk", "keep_checkpoints", "logger.console_every")
+                "trainer.logprob_chunk", "keep_checkpoints", "logger.console_every", "ray.num_pairs")
 NON_NEGATIVE_INT = ("eval_every", "save_every", "seed", "trainer.warmup_steps", "trainer.num_threads",
                     "engine.parity_probe.every")
 POSITIVE_FLOAT = ("adapter.alpha", "algo.temperature", "trainer.lr", "algo.tis_cap", "trainer.grad_clip",
@@ -344,6 +344,7 @@ def _validate_run_values(cfg: DictConfig) -> None:
         raise ConfigError(f"adapter.rank={cfg.adapter.rank}: the engine serves LoRA ranks up to "
                           f"{VLLM_LORA_RANKS[-1]} (vLLM's slot ranks {list(VLLM_LORA_RANKS)}; a rank in "
                           f"between uses the next slot)")
+    _validate_ray(cfg)
     top_k = _get(cfg, "engine.top_k")
     if not isinstance(top_k, int) or isinstance(top_k, bool) or (top_k != -1 and top_k < 1):
         raise ConfigError(f"engine.top_k={top_k!r}: must be -1 (off) or an integer >= 1")
@@ -351,6 +352,19 @@ def _validate_run_values(cfg: DictConfig) -> None:
     if (not isinstance(betas, (list, tuple)) and not OmegaConf.is_list(betas)) or len(betas) != 2 \
             or not all(_is_number(b) and 0 <= b < 1 for b in betas):
         raise ConfigError(f"trainer.betas={betas!r}: must be two numbers in [0, 1)")
+
+
+def _validate_ray(cfg: DictConfig) -> None:
+    """ray.address: null | auto | host:port (or ray://host:port); ray.num_pairs <= data.prompts_per_step."""
+    import re
+    address = _get(cfg, "ray.address")
+    if address is not None and (not isinstance(address, str)
+                                or not (address == "auto" or re.fullmatch(r"(ray://)?[\w.\-]+:\d+", address))):
+        raise ConfigError(f"ray.address={address!r}: must be null (start a local Ray), auto (join the running "
+                          f"cluster) or host:port")
+    if cfg.ray.num_pairs > cfg.data.prompts_per_step:
+        raise ConfigError(f"ray.num_pairs={cfg.ray.num_pairs} is more than data.prompts_per_step="
+                          f"{cfg.data.prompts_per_step}: every pair needs at least one prompt per step")
 
 
 def prompt_token_limit(cfg: dict) -> int:
@@ -364,9 +378,14 @@ def prompt_token_limit(cfg: dict) -> int:
 
 # ------------------------------------------------------------------ resume: the saved config + the given overrides
 def with_new_defaults(saved: dict) -> dict:
-    """A saved run's config plus the top-level keys added to conf/config.yaml since it was written."""
+    """A saved run's config plus the keys added to conf/config.yaml since it was written: top-level keys, and
+    keys of its own sections (ray.num_pairs, ...; a config group's section is the saved choice's, kept)."""
     base = to_dict(base_config())
-    return {**{k: v for k, v in base.items() if k not in saved}, **saved}
+    merged = {**{k: v for k, v in base.items() if k not in saved}, **saved}
+    for k, v in base.items():
+        if isinstance(v, dict) and isinstance(saved.get(k), dict) and not (CONF_DIR / k).is_dir():
+            merged[k] = {**{sk: sv for sk, sv in v.items() if sk not in saved[k]}, **saved[k]}
+    return merged
 
 
 def _parse_overrides(overrides: list[str]) -> list:

@@ -19,6 +19,10 @@ Design choices:
   (lock, config on resume, checkpoints, scratch) is rlfp8.run_folder.RunFolder's.
 - The engine samples step s from seeds that depend only on (seed, s): a resumed run repeats the
   uninterrupted one.
+- ray.num_pairs > 1: the placement is rlfp8.placement.pairs.Pairs, N engine + trainer pairs; prompts are
+  sharded over the pairs, rewards and advantages are computed here over the whole batch, the trainers sum
+  their gradients (one update, equal adapters, checked every step). Pair 0 writes the checkpoints; a
+  resume needs the same N.
 - Mistakes a user can fix (config, data, run folder, model path) exit 2 with one line; a failed parity
   probe (the engine does not compute with the trainer's adapter) exits 3.
 """
@@ -105,6 +109,8 @@ def run(cfg: dict, folder) -> int:
     """One run in `folder` (a locked rlfp8.run_folder.RunFolder; cfg from RunFolder.start)."""
     t_start = time.time()
     resume_from, driver_state = folder.resume_point()
+    if resume_from is not None:
+        check_num_pairs(cfg, resume_from, driver_state)
     r = setup(cfg, folder, resume_from is not None)
     r.t_start = t_start
     if resume_from is not None:
@@ -137,7 +143,7 @@ def setup(cfg: dict, folder, resuming: bool) -> Run:
     from rlfp8.data import build_dataset
     from rlfp8.data.tasks import LOOP_KEYS
     from rlfp8.logger import RunLogger
-    from rlfp8.placement import make_placement
+    from rlfp8.placement.pairs import Pairs
     from rlfp8.trainer.hf_models import resolve_model
 
     run_dir = folder.path
@@ -157,7 +163,11 @@ def setup(cfg: dict, folder, resuming: bool) -> Run:
                        name=lcfg["wandb"]["name"] or run_dir.name, resume=resuming,
                        console_every=lcfg["console_every"])
     scratch_dir = folder.scratch_dir()
-    placement = make_placement(cfg, model_path, str(scratch_dir))
+    from rlfp8.placement.ray_setup import NotEnoughGPUsError
+    try:
+        placement = Pairs(cfg, model_path, str(scratch_dir))
+    except NotEnoughGPUsError as e:
+        raise ConfigError(str(e)) from None
     r = Run(cfg, folder, run_dir, tokenizer, train_stream, eval_set, logger, placement, scratch_dir)
     r.probe = make_probe(r)
     return r
@@ -200,17 +210,16 @@ def rl_step(r: Run, step: int, bar) -> dict[str, float]:
 
 
 def rollout(r: Run, step: int):
-    """The next prompts, rendered, and algo.group_size samples of each from the engine, seeded by (seed, step)."""
-    from rlfp8.placement import call
+    """The next prompts, rendered, and algo.group_size samples of each from the engines, seeded by (seed, step)."""
     from rlfp8.run_folder import step_seed
     algo_cfg, ecfg = r.cfg["algo"], r.cfg["engine"]
     with phase("driver/prompts"):
         examples = r.train_stream.next_batch(r.cfg["data"]["prompts_per_step"])
         prompt_ids = [render(r, ex) for ex in examples]
     r.placement.before_rollout()
-    samples = call(r.placement.engine.generate, prompt_ids, algo_cfg["group_size"], algo_cfg["temperature"],
-                   algo_cfg["max_response_len"], top_p=ecfg["top_p"], top_k=ecfg["top_k"],
-                   seed=step_seed(r.cfg["seed"], step))
+    samples = r.placement.generate(prompt_ids, algo_cfg["group_size"], algo_cfg["temperature"],
+                                   algo_cfg["max_response_len"], top_p=ecfg["top_p"], top_k=ecfg["top_k"],
+                                   seed=step_seed(r.cfg["seed"], step))
     return examples, prompt_ids, samples
 
 
@@ -233,18 +242,16 @@ def score(r: Run, examples, prompt_ids, samples):
 
 
 def update(r: Run, batch) -> dict[str, float]:
-    """One RL update of the adapter (the placement first brings the trainer's base back if needed)."""
-    from rlfp8.placement import call
+    """One RL update of the adapter (the placement first brings the trainers' base back if needed)."""
     r.placement.before_train()
-    return call(r.placement.trainer.train_step, batch)
+    return r.placement.train_step(batch)
 
 
 def sync(r: Run, step: int) -> dict[str, float]:
-    """The trainer's adapter goes to the engine as tensors (an in-place slot update), then the parity probe."""
+    """Each trainer's adapter goes to its engine as tensors (an in-place slot update), then the parity probe
+    (pair 0)."""
     from rlfp8.placement import call
-    update = call(r.placement.trainer.export_adapter)
-    call(r.placement.engine.set_adapter, update)
-    r.placement.after_sync()
+    update = r.placement.sync_adapters()
     every = r.cfg["engine"]["parity_probe"]["every"]
     if r.probe is None or update["version"] % every:
         return {}
@@ -297,10 +304,9 @@ def rollout_metrics(r: Run, rewards: list[float], samples) -> dict[str, float]:
 def evaluate(r: Run, step: int) -> float:
     """Greedy answers to the held-out prompts; logs and returns the mean reward."""
     from rlfp8.data import batch_score
-    from rlfp8.placement import call
     ids = [render(r, ex) for ex in r.eval_set]
     r.placement.before_rollout()
-    samples = call(r.placement.engine.generate, ids, 1, 1.0, r.cfg["algo"]["max_response_len"], greedy=True)
+    samples = r.placement.generate(ids, 1, 1.0, r.cfg["algo"]["max_response_len"], greedy=True)
     rewards = batch_score([s.text for s in samples], [r.eval_set[s.prompt_index].answer for s in samples],
                           r.eval_set.reward_kind)
     mean = sum(rewards) / max(len(rewards), 1)
@@ -339,16 +345,25 @@ def finish(r: Run, eval_first: float | None) -> None:
 def save_checkpoint(r: Run, step: int) -> None:
     from rlfp8.placement import call
     from rlfp8.run_folder import driver_rng_state
-    r.folder.save_checkpoint(step, lambda d: call(r.placement.trainer.save_checkpoint, d),
-                             {"data": r.train_stream.state_dict(), "rng": driver_rng_state()}, r.cfg["keep_checkpoints"])
+    r.folder.save_checkpoint(step, lambda d: call(r.placement.trainer.save_checkpoint, d),    # pair 0 writes
+                             {"data": r.train_stream.state_dict(), "rng": driver_rng_state(),
+                              "num_pairs": r.cfg["ray"]["num_pairs"]}, r.cfg["keep_checkpoints"])
+
+
+def check_num_pairs(cfg: dict, ckpt: Path, driver_state: dict) -> None:
+    """A resume runs with the checkpoint's ray.num_pairs: each pair's sampling seeds depend on it."""
+    from rlfp8.config import ConfigError
+    saved, now = driver_state.get("num_pairs", 1), cfg["ray"]["num_pairs"]
+    if saved != now:
+        raise ConfigError(f"ray.num_pairs={now}, but the checkpoint {ckpt} was written with ray.num_pairs={saved}: "
+                          f"resume with ray.num_pairs={saved} (a different N samples other rollouts)")
 
 
 def restore(r: Run, ckpt: Path, driver_state: dict) -> None:
     """Trainer state, data cursor, driver RNG and step from a checkpoint (metrics.jsonl was cut back to it by
     RunFolder.resume_point); the adapter synced to the engine."""
-    from rlfp8.placement import call
     from rlfp8.run_folder import restore_driver_rng
-    call(r.placement.trainer.load_checkpoint, str(ckpt))
+    r.placement.load_checkpoint(str(ckpt))
     r.train_stream.load_state_dict(driver_state["data"])
     if "rng" in driver_state:
         restore_driver_rng(driver_state["rng"])

@@ -25,9 +25,14 @@ def call(actor_method, *args, **kwargs):
     return ray.get(actor_method.remote(*args, **kwargs))
 
 
-def make_placement(cfg: dict, model_path: str, scratch_dir: str):
+def placement_class(cfg: dict):
     name = cfg["placement"]["name"]
     if name not in STRATEGIES:
         raise ValueError(f"placement.name={name!r}: allowed values are {list(STRATEGIES)}")
     module, cls = STRATEGIES[name].split(":")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)(cfg, model_path, scratch_dir)
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+
+
+def make_placement(cfg: dict, model_path: str, scratch_dir: str, actors=None):
+    """One pair's placement, around `actors` (rlfp8.placement.pairs starts them) or its own."""
+    return placement_class(cfg)(cfg, model_path, scratch_dir, actors)

@@ -8,16 +8,21 @@ and after_setup once, when both actors are up. A strategy names its trainer's ba
 from __future__ import annotations
 
 from . import call  # noqa: F401  (the strategies' way to run an actor method)
-from .ray_setup import start_actors, stop_actors
+from .ray_setup import Actors, release_pairs, reserve_pairs, start_pairs, stop_actors
 
 
 class Placement:
     name = ""
     weight_source = "quantize"
 
-    def __init__(self, cfg: dict, model_path: str, scratch_dir: str):
+    def __init__(self, cfg: dict, model_path: str, scratch_dir: str, actors: Actors | None = None):
+        """actors: this pair's, started by rlfp8.placement.pairs; None: this placement reserves a bundle and
+        starts (and owns) its own."""
         self.cfg = cfg
-        self.actors = start_actors(cfg, model_path, self.weight_source, scratch_dir)
+        self.owns_pg = actors is None
+        if actors is None:
+            actors = start_pairs(cfg, model_path, self.weight_source, [scratch_dir], reserve_pairs(cfg))[0]
+        self.actors = actors
         self.engine, self.trainer = self.actors.engine, self.actors.trainer
         self.after_setup()
 
@@ -35,4 +40,6 @@ class Placement:
 
     def shutdown(self) -> None:
         stop_actors(self.actors)
+        if self.owns_pg:
+            release_pairs(self.actors.placement_group)
 

@@ -6,6 +6,7 @@ from rlfp8.kernels.knobs import apply_config
 from rlfp8.process import setup_actor_process
 
 from .core import PolicyTrainer
+from .data_parallel import rendezvous_address
 
 
 class TrainerActor(PolicyTrainer):
@@ -14,3 +15,7 @@ class TrainerActor(PolicyTrainer):
         setup_actor_process(num_threads, quiet_vllm=False)
         apply_config(cfg["kernels"])          # the kernels.* knobs of the config, in this process
         super().__init__(model_path, cfg, weight_source=weight_source, weight_handles=weight_handles)
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """(host, free port) of this actor's node: pair 0's trainer hosts the data-parallel rendezvous."""
+        return rendezvous_address()

@@ -12,6 +12,11 @@ Design choices:
 - The loss of a micro-batch is normalised by a denominator of the whole mini-batch
   (rlfp8.algos.aggregation_denominator), so gradient accumulation needs no re-weighting.
 - train_step = forward_backward + optimizer_step per mini-batch and epoch (interface.py).
+- Data parallel (ray.num_pairs > 1, data_parallel.py): the batch is this pair's share of the step's rows
+  (Rollouts.row_offset / total_rows); mini-batches are taken over the whole batch's row indices, every
+  denominator and batch statistic is summed over the pairs, and the gradients are summed before clipping:
+  the update equals the one-pair update of the whole batch (bnpo: when the micro-batches coincide, since it
+  is a mean of micro-batch means by definition).
 - Non-finite gradients skip the optimizer step and are counted (train/skipped_steps).
 - Engine-vs-trainer mismatch is measured on the sampled tokens before the update (pi_old vs the
   engine's log-probs), every step.
@@ -30,6 +35,7 @@ from rlfp8.kernels import dispatch
 from rlfp8.profiling import phase, phased
 from .adapter_io import load_adapter, save_adapter
 from .adapters import adapter_kind
+from .data_parallel import DataParallel, tensor_checksum
 from .fp8_lora import adapters_disabled
 from .interface import MiniBatch, Rollouts, TrainerInterface
 from .logprobs import sequence_logprobs
@@ -38,6 +44,9 @@ from .weights import make_weight_source
 __all__ = ["PolicyTrainer", "Rollouts", "MiniBatch", "pick_device"]
 
 log = logging.getLogger("rlfp8.trainer")
+
+# loss_agg modes whose denominator counts only kept tokens / rows with algo.drop_rejected_from_denominator
+KEPT_COUNT_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -81,11 +90,23 @@ class PolicyTrainer(TrainerInterface):
         self.step = 0
         self.skipped_steps = 0
         self.adapter_version = 0
+        self.dp: DataParallel | None = None
         log.info("trainer ready in %.1fs: %d projections (%s base, source %s), %d trainable params, device %s",
                  time.time() - t0, len(self.replaced), tcfg["weights"], self.weights.name,
                  sum(p.numel() for p in self.params), self.device)
 
     # ------------------------------------------------------------------ placement
+    def join_data_parallel(self, host: str, port: int, rank: int, world_size: int) -> str:
+        """Join the pairs' process group (once, at set-up); returns this adapter's checksum."""
+        if self.dp is not None:
+            raise RuntimeError("join_data_parallel: this trainer already joined a process group")
+        self.dp = DataParallel(host, port, rank, world_size, self.device)
+        return self.adapter_checksum()
+
+    def adapter_checksum(self) -> str:
+        """Exact checksum of the trainable adapter tensors (data parallel: equal on every pair)."""
+        return tensor_checksum(self.adapter.trainable_parameters(self.model))
+
     def release_base(self) -> None:
         self.weights.release(self.model, self.device)
 
@@ -137,14 +158,15 @@ class PolicyTrainer(TrainerInterface):
         no-grad log-probs (pi_old when off-policy, the base for a KL term)."""
         algo_cfg, tcfg = self.cfg["algo"], self.cfg["trainer"]
         n = len(batch.input_ids)
+        total = n if batch.total_rows is None else batch.total_rows      # data parallel: the whole batch's rows
         lengths = [len(s) for s in batch.input_ids]
-        n_mini = max(1, min(int(tcfg["mini_batches"]), n))
+        n_mini = max(1, min(int(tcfg["mini_batches"]), total))
         on_policy = n_mini == 1 and int(tcfg["epochs"]) == 1
         use_kl = float(algo_cfg["kl_coef"]) > 0
         need_stats = algos.needs_batch_stats(algo_cfg)     # batch-normalised weights / kept-token denominators
         minis = []
         for k in range(n_mini):
-            rows = list(range(n))[k::n_mini]
+            rows = [i for i in range(n) if (batch.row_offset + i) % n_mini == k]
             minis.append((rows, [self._collate(batch, mb_rows) for mb_rows in self._micro_batches(rows, lengths)]))
         if not on_policy or use_kl or need_stats:
             with torch.no_grad():
@@ -157,14 +179,32 @@ class PolicyTrainer(TrainerInterface):
                         with adapters_disabled(self.model):
                             mb["ref_logp"] = self._logp(mb)
         self._step_stats = algos.sum_stats(mb["stats"] for _, mbs in minis for mb in mbs) if need_stats else None
+        if self.dp is not None and need_stats:
+            self._step_stats = self.dp.sum_dict(self._step_stats)
         plan = []
         for rows, mbs in minis:
-            resp_lens = torch.tensor([lengths[i] - batch.prompt_lens[i] for i in rows])
-            mini_mask = torch.arange(int(resp_lens.max()))[None, :] < resp_lens[:, None]      # [b, T]
+            resp_lens = torch.tensor([lengths[i] - batch.prompt_lens[i] for i in rows], dtype=torch.long)
+            mini_mask = torch.arange(int(resp_lens.max()) if rows else 1)[None, :] < resp_lens[:, None]   # [b, T]
             mini_stats = algos.sum_stats(mb["stats"] for mb in mbs) if need_stats else None
-            denom = algos.loss_denominator(algo_cfg, mini_mask, int(algo_cfg["max_response_len"]), len(mbs), mini_stats)
-            plan.append(MiniBatch(mbs, denom))
+            plan.append(MiniBatch(mbs, self._mini_denominator(mini_mask, len(mbs), mini_stats)))
         return plan
+
+    def _mini_denominator(self, mini_mask: torch.Tensor, num_micro_batches: int, stats: dict | None) -> float:
+        """rlfp8.algos.loss_denominator of the whole mini-batch. Data parallel: every mode's count (tokens,
+        rows, rows x max_response_len, micro-batches, kept tokens / rows) is a sum over the pairs' shares; a
+        share's count is never clamped (each row holds >= 1 response token), an empty share counts 0."""
+        algo_cfg = self.cfg["algo"]
+        max_len = int(algo_cfg["max_response_len"])
+        if self.dp is None:
+            return algos.loss_denominator(algo_cfg, mini_mask, max_len, num_micro_batches, stats)
+        mode = algo_cfg["loss_agg"]
+        local = algos.aggregation_denominator(mini_mask, mode, max_len, num_micro_batches) if len(mini_mask) else 0.0
+        count = max(self.dp.sum_floats([local])[0], 1.0)
+        if stats is None:
+            return count
+        stats = self.dp.sum_dict(stats)
+        return algos.loss_denominator(algo_cfg, mini_mask, max_len, num_micro_batches, stats) \
+            if algo_cfg["drop_rejected_from_denominator"] and mode in KEPT_COUNT_MODES else count
 
     def _policy_loss(self, mb: dict, logp: torch.Tensor, old_logp: torch.Tensor, entropy: torch.Tensor,
                      denom: float) -> tuple[torch.Tensor, dict[str, float]]:
@@ -199,6 +239,8 @@ class PolicyTrainer(TrainerInterface):
 
     @phased("trainer/optimizer")
     def optimizer_step(self) -> dict[str, float]:
+        if self.dp is not None:
+            self.dp.sum_gradients(self.params)
         gn = torch.nn.utils.clip_grad_norm_(self.params, float(self.cfg["trainer"]["grad_clip"]))
         if torch.isfinite(gn):
             self.optimizer.step()

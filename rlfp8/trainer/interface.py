@@ -2,7 +2,7 @@
 
 The train step is split so that a gradient all-reduce fits between its halves:
     forward_backward(mini_batch)   gradients of one mini-batch, accumulated over its micro-batches
-    optimizer_step()               clip + step + scheduler (data parallel: all-reduce first)
+    optimizer_step()               clip + step + scheduler (data parallel: gradients summed over the pairs first)
     train_step(rollouts)           both, for trainer.mini_batches x trainer.epochs: one RL update
 An adapter update travels as {"version": int, "tensors": {PEFT key: CPU tensor}, "config": PEFT
 adapter_config dict} (export_adapter), the same dict the engine's set_adapter takes.
@@ -22,9 +22,15 @@ class Rollouts:
     prompt_lens: list[int]
     rollout_logprobs: list[list[float]]     # per response token, under the distribution sampled from
     advantages: list[float]
+    row_offset: int = 0                     # data parallel: this share's first row in the step's whole batch
+    total_rows: int | None = None           # data parallel: rows of the whole batch (None: this batch is whole)
 
     def __post_init__(self):
         n = len(self.input_ids)
+        total = n if self.total_rows is None else self.total_rows
+        if self.row_offset < 0 or self.row_offset + n > total:
+            raise ValueError(f"Rollouts rows [{self.row_offset}, {self.row_offset + n}) outside the whole batch's "
+                             f"{total} rows (row_offset, total_rows)")
         for name in ("prompt_lens", "rollout_logprobs", "advantages"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"Rollouts.{name} has {len(getattr(self, name))} rows, input_ids has {n}")

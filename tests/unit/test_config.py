@@ -40,6 +40,10 @@ def test_overrides_beat_the_recipe(monkeypatch):
     ("recipe=nope", "allowed values are ['quickstart'"),
     ("resume=true", "resume=true needs run_dir"),
     ("algo.max_response_len=500", "engine.max_model_len"),
+    ("ray.num_pairs=0", "ray.num_pairs=0: must be an integer >= 1"),
+    ("ray.num_pairs=two", "ray.num_pairs='two': must be an integer >= 1"),
+    ("ray.num_pairs=13", "ray.num_pairs=13 is more than data.prompts_per_step=12"),
+    ("ray.address=nowhere", "ray.address='nowhere': must be null (start a local Ray), auto"),
 ])
 def test_bad_values_name_the_key(override, needle):
     with pytest.raises(ConfigError) as e:
@@ -312,3 +316,15 @@ def test_both_actors_apply_the_kernels_section_in_their_process(monkeypatch):
     with pytest.raises(ZeroDivisionError):
         trainer_actor.TrainerActor("m", cfg, "quantize", 1)
     assert seen == [cfg["kernels"], cfg["kernels"]]
+
+
+def test_ray_address_forms():
+    for address in ("auto", "10.0.0.2:6379", "head-node:6379", "ray://head:10001"):
+        assert to_dict(compose([f"ray.address={address}", "ray.num_pairs=2"]))["ray"]["address"] == address
+
+
+def test_saved_config_gains_new_section_keys():
+    saved = to_dict(compose(["model=tiny"]))
+    del saved["ray"]["num_pairs"]                     # a run saved before the key existed
+    merged = config.with_new_defaults(saved)
+    assert merged["ray"]["num_pairs"] == 1 and merged["model"] == saved["model"]
