@@ -70,11 +70,26 @@ def plan_message(phase: str, cfg: dict, measured: dict[str, float], error: BaseE
                   if isinstance(v, (int, float))]
     else:
         lines.append("  nothing measured yet (the error came before the first step)")
+    planned = _planned(cfg)
+    if planned:
+        lines.append("planned (rough, rlfp8.memory_plan.estimate, GiB): " +
+                     ", ".join(f"{k} {v:.1f}" for k, v in planned.items()))
     keys = SIZING_KEYS.get(phase, SIZING_KEYS["setup"])
     lines.append(f"config keys that size '{phase}': " + ", ".join(f"{k}={_value(cfg, k)}" for k in keys))
     lines.append("lower one of them (or trainer.gradient_checkpointing=true, engine.release_kv=true with "
                  "placement=one_copy) and run again")
     return "\n".join(lines)
+
+
+def _planned(cfg: dict) -> dict[str, float]:
+    """estimate() from the resolved model folder's config.json; {} when there is none (yet)."""
+    import json
+    from pathlib import Path
+    folder = _value(cfg, "model.resolved_path")
+    try:
+        return estimate(cfg, json.loads((Path(str(folder)) / "config.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
 
 
 @contextmanager
@@ -88,3 +103,35 @@ def on_out_of_memory(phase: str, cfg: dict, measured: dict[str, float]):
         if not is_out_of_memory(e):
             raise
         raise OutOfMemoryPlanError(plan_message(phase, cfg, measured, e)) from e
+
+
+def estimate(cfg: dict, arch: dict) -> dict[str, float]:
+    """A rough plan (GiB) from the config and the model's HF config dict, before anything runs: engine FP8
+    projections (1 byte per weight; a bf16 engine 2) and its other tensors, the KV cache (engine.kv_cache_memory_gb,
+    else what the whole batch needs), and the trainer's base (0 with one_copy), its other tensors and an upper
+    estimate of its activations per micro-batch. `peak` adds what is resident at once: with the KV cache released
+    while training, the larger of rollout and train."""
+    gib, h, inter, layers = 2**30, arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"]
+    heads, kv_heads = arch["num_attention_heads"], arch["num_key_value_heads"]
+    head_dim = arch.get("head_dim") or h // heads
+    elem = 4 if cfg["model"]["dtype"] == "float32" else 2
+    proj = layers * (h * head_dim * (heads + 2 * kv_heads) + heads * head_dim * h + 3 * h * inter)
+    dense = arch["vocab_size"] * h * (1 if arch.get("tie_word_embeddings") else 2) * elem
+    eng_bytes = 1 if cfg["engine"]["precision"] in ("w8a16", "w8a8", "w8a8_vllm") else elem
+    ecfg, tcfg = cfg["engine"], cfg["trainer"]
+    seqs = min(int(ecfg["max_num_seqs"]), int(cfg["data"]["prompts_per_step"]) * int(cfg["algo"]["group_size"]))
+    kv_need = seqs * int(ecfg["max_model_len"]) * 2 * layers * kv_heads * head_dim * elem
+    kv = float(ecfg["kv_cache_memory_gb"]) * gib if ecfg["kv_cache_memory_gb"] else kv_need
+    one_copy = cfg["placement"]["name"] == "one_copy"
+    trainer_base = 0 if one_copy else proj * (1 if tcfg["weights"] == "fp8" else elem)
+    per_layer_token = (16 * h + 6 * inter) * 2                  # saved bf16 activations of one decoder layer
+    tokens = int(tcfg["micro_batch_tokens"])
+    saved = layers * h * 2 + per_layer_token if tcfg["gradient_checkpointing"] else layers * per_layer_token
+    acts = tokens * saved + 3 * int(tcfg["logprob_chunk"]) * arch["vocab_size"] * 4
+    plan = {"engine_weights": (proj * eng_bytes + dense) / gib, "kv_cache": kv / gib, "kv_cache_needed": kv_need / gib,
+            "trainer_base": trainer_base / gib, "trainer_dense": dense / gib, "trainer_activations": acts / gib}
+    released = one_copy and ecfg["release_kv"] in ("auto", True)
+    rollout = plan["engine_weights"] + plan["kv_cache"] + plan["trainer_base"] + plan["trainer_dense"]
+    train = plan["engine_weights"] + plan["trainer_base"] + plan["trainer_dense"] + plan["trainer_activations"]
+    plan["peak"] = max(rollout, train) if released else rollout + plan["trainer_activations"]
+    return plan

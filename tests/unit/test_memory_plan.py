@@ -41,8 +41,14 @@ def test_train_oom_names_the_trainer_keys_and_shows_the_measured_plan(cfg):
     assert "Tried to allocate 20.00 GiB" in msg and isinstance(err.__cause__, torch.OutOfMemoryError)
 
 
-def test_vllm_kv_cache_too_small_at_setup_names_the_engine_keys(cfg):
+def test_vllm_kv_cache_too_small_at_setup_names_the_engine_keys(cfg, tmp_path):
+    import json
+
+    from rlfp8.models import architecture_config
+    (tmp_path / "config.json").write_text(json.dumps(architecture_config("qwen3_8b")))
+    cfg = {**cfg, "model": {**cfg["model"], "resolved_path": str(tmp_path)}}
     msg, _ = _raise_in("setup", cfg, ValueError(VLLM_KV_TOO_SMALL))
+    assert "planned (rough" in msg and "kv_cache_needed" in msg
     for key in ("engine.gpu_memory_utilization=", "engine.kv_cache_memory_gb=None", "engine.max_num_seqs=64",
                 "engine.max_model_len=", "nothing measured yet"):
         assert key in msg
