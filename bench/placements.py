@@ -85,8 +85,9 @@ def summarize(run_dir: Path) -> dict:
     for phase in PHASES:
         used = [r[f"memory/{phase}/total_gib"] - r[f"memory/{phase}/free_gib"] for r in train
                 if f"memory/{phase}/free_gib" in r and f"memory/{phase}/total_gib" in r]
+        peaks = {k: peak(f"memory/{phase}/{k}") for k in PHASE_KEYS}
         memory[phase] = {"device_used_gib": max(used) if used else None,
-                         **{k: peak(f"memory/{phase}/{k}") for k in PHASE_KEYS if peak(f"memory/{phase}/{k}") is not None}}
+                         **{k: v for k, v in peaks.items() if v is not None}}
     return {"steps": len(train), "step_time_s": {k: mean(f"time/{k}") for k in ("rollout", "train", "sync", "step")},
             "memory_gib": memory, "rollout_tokens_per_s": mean("rollout/tokens_per_s"),
             "train_tokens_per_s": mean("train/tokens_per_s"), "response_length_mean": mean("response/length_mean")}

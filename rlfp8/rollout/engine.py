@@ -202,6 +202,10 @@ class RolloutEngine:
             from vllm.device_allocator.cumem import CuMemAllocator
             return sum(d.handle[1] for d in CuMemAllocator.get_instance().pointer_to_data.values()
                        if d.tag == "kv_cache" and not getattr(d, "is_asleep", False))
+        runner_kv = getattr(compat.model_runner(self.llm), "kv_caches", None) or []
+        tensors = [t for t in runner_kv if hasattr(t, "untyped_storage")]
+        if tensors:                                    # the V1 runner's per-layer KV tensors (storages counted once)
+            return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
         cache = self.llm.llm_engine.vllm_config.cache_config
         hf = self.llm.llm_engine.vllm_config.model_config.hf_text_config
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads

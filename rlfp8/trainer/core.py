@@ -287,8 +287,8 @@ class PolicyTrainer(TrainerInterface):
         gib = 2**30
         nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)      # noqa: E731
         from .fp8_lora import lora_modules
-        owned = [] if self.weights.name == "map" else [
-            t for m in lora_modules(self.model).values() for t in (m.qweight, m.weight_scale, m.weight) if t is not None]
+        owned = [] if self.weights.name == "map" else [t for m in lora_modules(self.model).values()
+                                                        for t in (m.qweight, m.weight_scale, m.weight) if t is not None]
         state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         peak = torch.cuda.max_memory_allocated()
         return {"memory/trainer_allocated_gib": torch.cuda.memory_allocated() / gib,
