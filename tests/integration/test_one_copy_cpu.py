@@ -73,7 +73,8 @@ def _train(tmp_path, run_dir, *extra):
 
 
 def test_cli_one_copy_trains_checks_the_base_and_resumes(tmp_path):
-    run_dir = tmp_path / "run"
+    import uuid
+    run_dir = tmp_path / f"run-{uuid.uuid4().hex[:8]}"     # a unique name: other runs on this machine use "run" too
     r = _train(tmp_path, run_dir, "steps=4")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "checksums equal" in r.stderr
