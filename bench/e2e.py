@@ -33,14 +33,14 @@ def summarize(run_dir: Path) -> dict:
         vals = [r[key] for r in rs if r.get(key) is not None]
         return sum(vals) / len(vals) if vals else None
 
-    def peak(key):
-        vals = [r[key] for r in train if r.get(key) is not None]
+    def peak(name):         # memory/<phase>/<name> (rlfp8.memory_plan), any phase
+        vals = [v for r in train for k, v in r.items() if k.startswith("memory/") and k.endswith("/" + name)]
         return max(vals) if vals else None
 
     return {
         "steps": len(train),
         "step_time_s": {k: mean(f"time/{k}") for k in ("rollout", "train", "sync", "step")},
-        "peak_memory_gib": {"engine": peak("memory/engine_peak_gib"), "trainer": peak("memory/trainer_peak_gib")},
+        "peak_memory_gib": {"engine": peak("engine_peak_gib"), "trainer": peak("trainer_peak_gib")},
         "eval_reward_first": evals[0]["eval/reward"] if evals else None,
         "eval_reward_final": evals[-1]["eval/reward"] if evals else None,
         "train_reward_first": train[0]["reward/mean"] if train else None,

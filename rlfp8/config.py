@@ -255,7 +255,9 @@ def _check_rules(cfg: DictConfig) -> None:
     _validate_algo(cfg.algo)
     _validate_run_values(cfg)
     if cfg.model.path in (None, "???"):
-        raise ConfigError("model.path is not set: a local HF folder, a hub id, 'tiny' or gguf:smollm2-135m-instruct")
+        raise ConfigError("model.path is not set: a local HF folder, a hub id, 'tiny', random:<arch> or "
+                          "gguf:smollm2-135m-instruct")
+    _check_random_model(cfg)
     if not cfg.adapter.target_modules:
         raise ConfigError("adapter.target_modules is empty: list the projections to adapt (e.g. [q_proj, v_proj])")
     if cfg.resume and not cfg.run_dir:
@@ -270,6 +272,16 @@ def _check_rules(cfg: DictConfig) -> None:
     if cfg.algo.max_response_len >= cfg.engine.max_model_len:
         raise ConfigError(f"algo.max_response_len={cfg.algo.max_response_len} must be < engine.max_model_len="
                           f"{cfg.engine.max_model_len} (prompt + response)")
+
+
+def _check_random_model(cfg: DictConfig) -> None:
+    """model.path=random:<arch>: the architecture exists (rlfp8/models/<arch>.json or a .json path)."""
+    from rlfp8.models import RANDOM_PREFIX, architecture_config, is_random
+    if is_random(cfg.model.path):
+        try:
+            architecture_config(cfg.model.path[len(RANDOM_PREFIX):])
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _check_data(cfg: DictConfig) -> None:

@@ -58,6 +58,7 @@ class Run:
     probe: Any = None                  # rlfp8.parity.ParityProbe (None: engine.parity_probe.every=0)
     start_step: int = 0
     t_start: float = field(default_factory=time.time)
+    memory: dict = field(default_factory=dict)       # the last memory/<phase>/* metrics (the plan of an OOM error)
     first_rewards: list = field(default_factory=list)
     last_rewards: list = field(default_factory=list)
 
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt="%H:%M:%S")
     for noisy in ("httpx", "filelock", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from rlfp8.memory_plan import OutOfMemoryPlanError
     from rlfp8.parity import ParityError
     from rlfp8.run_folder import RunFolder
     try:
@@ -83,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     except ParityError as e:
         print(f"rlfp8-train: stopped: {e}", file=sys.stderr)
         return 3
+    except OutOfMemoryPlanError as e:
+        print(f"rlfp8-train: {e}", file=sys.stderr)
+        return 4
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -163,9 +168,11 @@ def setup(cfg: dict, folder, resuming: bool) -> Run:
                        name=lcfg["wandb"]["name"] or run_dir.name, resume=resuming,
                        console_every=lcfg["console_every"])
     scratch_dir = folder.scratch_dir()
+    from rlfp8.memory_plan import on_out_of_memory
     from rlfp8.placement.ray_setup import NotEnoughGPUsError
     try:
-        placement = Pairs(cfg, model_path, str(scratch_dir))
+        with on_out_of_memory("setup", cfg, {}):
+            placement = Pairs(cfg, model_path, str(scratch_dir))
     except NotEnoughGPUsError as e:
         raise ConfigError(str(e)) from None
     r = Run(cfg, folder, run_dir, tokenizer, train_stream, eval_set, logger, placement, scratch_dir)
@@ -180,29 +187,37 @@ def render(r: Run, example) -> list[int]:
 
 # ---------------------------------------------------------------------------------------- one step
 def rl_step(r: Run, step: int, bar) -> dict[str, float]:
-    """rollout -> score -> update -> sync, timed; logs the step's metrics and returns them."""
+    """rollout -> score -> update -> sync, timed; logs the step's metrics and returns them. The memory of each
+    phase is logged as memory/<phase>/* (GPU); an out-of-memory error shows the plan (rlfp8.memory_plan)."""
+    from rlfp8.memory_plan import on_out_of_memory, phase_metrics
+    from rlfp8.placement import call
     t0 = time.time()
     bar.set_description(f"step {step + 1}: rollout")
-    examples, prompt_ids, samples = rollout(r, step)
+    with on_out_of_memory("rollout", r.cfg, r.memory):
+        examples, prompt_ids, samples = rollout(r, step)
+    r.memory.update(phase_metrics("rollout", call(r.placement.engine.memory)))
     t_roll = time.time() - t0
     with phase("driver/reward"):
         rewards, batch = score(r, examples, prompt_ids, samples)
     bar.set_description(f"step {step + 1}: train")
     t1 = time.time()
-    metrics = update(r, batch)
+    with on_out_of_memory("train", r.cfg, r.memory):
+        metrics = update(r, batch)
+    r.memory.update(phase_metrics("train", {k: metrics.pop(k) for k in list(metrics) if k.startswith("memory/")}))
     t_train = time.time() - t1
     bar.set_description(f"step {step + 1}: sync")
     t2 = time.time()
-    metrics.update(sync(r, step + 1))
+    with on_out_of_memory("sync", r.cfg, r.memory):
+        metrics.update(sync(r, step + 1))
     t_sync = time.time() - t2
     metrics.update(rollout_metrics(r, rewards, samples))
     metrics.update({"time/rollout": t_roll, "time/train": t_train, "time/sync": t_sync,
                     "time/step": time.time() - t0,
                     "rollout/tokens_per_s": sum(len(s.token_ids) for s in samples) / max(t_roll, 1e-9),
                     "data/prompts_dropped": r.train_stream.num_dropped})
-    from rlfp8.placement import call
     with phase("driver/log"):
-        metrics.update(call(r.placement.engine.memory))
+        r.memory.update(phase_metrics("sync", call(r.placement.engine.memory)))
+        metrics.update(r.memory)
         r.logger.log(step + 1, metrics)
     (r.first_rewards if step < r.start_step + 3 else r.last_rewards).append(metrics["reward/mean"])
     r.last_rewards = r.last_rewards[-3:]

@@ -73,6 +73,11 @@ def lora_adapter_manager(llm):
     return worker.model_runner.lora_manager._adapter_manager
 
 
+def model_runner(llm):
+    """The model runner of an in-process engine (TP=1): the model, its KV cache tensors."""
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
 def engine_model(llm):
     """The nn.Module an in-process engine runs (TP=1)."""
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    return model_runner(llm).model

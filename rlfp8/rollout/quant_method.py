@@ -60,6 +60,8 @@ def make_classes():
             if getattr(layer, "_rlfp8_quantized", False):
                 return
             from rlfp8.kernels import quantize_weight
+            if layer.weight.is_meta:      # load_format="dummy" in a vLLM whose dummy loader skips meta weights
+                _dummy_weight(layer)
             q, scale = quantize_weight(layer.weight.data)
             replace_parameter(layer, "weight", q)                 # [N, K] e4m3, row-major
             replace_parameter(layer, "weight_scale", scale)       # [N] fp32
@@ -100,6 +102,13 @@ def make_classes():
         name = "rlfp8_w8a8"
 
     return RLFP8LinearMethod, {"rlfp8": RLFP8Config, "rlfp8_w8a8": RLFP8W8A8Config}
+
+
+def _dummy_weight(layer) -> None:
+    """vLLM's dummy values (uniform(-1e-3, 1e-3)) for a weight still on the meta device, on this worker's device."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    w = torch.empty(layer.weight.shape, dtype=layer.orig_dtype, device=device).uniform_(-1e-3, 1e-3)
+    layer.weight = torch.nn.Parameter(w, requires_grad=False)
 
 
 def project(x: torch.Tensor, layer, mode: str, *, A=None, B=None, meta=None, g=None, bias=None) -> torch.Tensor:

@@ -41,8 +41,11 @@ def _to_shared_file(t: torch.Tensor, path: Path) -> torch.Tensor:
     return shared
 
 
-def export_weights(model, scratch: str | os.PathLike | None = None) -> dict:
-    """vLLM module name -> {"weight": handle, "weight_scale": handle, "widths": [rows per packed slice]}."""
+def export_weights(model, scratch: str | os.PathLike | None = None, dense: bool = False) -> dict:
+    """{"projections": {vLLM module name -> {"weight": handle, "weight_scale": handle, "widths": [rows per packed
+    slice]}}, "dense": {parameter name -> handle}}. dense=True (random-weight models, whose other tensors exist
+    nowhere else) also exports every other parameter (embeddings, norms, lm_head; vLLM's LoRA wrappers' names
+    without ".base_layer"), so the trainer computes on exactly the engine's model."""
     mods = _rlfp8_linears(model)
     if not mods:
         raise RuntimeError("export_weights: the engine holds no rlfp8-quantized projections; one_copy needs "
@@ -56,17 +59,27 @@ def export_weights(model, scratch: str | os.PathLike | None = None) -> dict:
     for name, mod in mods.items():
         entry = {"widths": list(getattr(mod, "logical_widths", [mod.weight.shape[0]]))}
         for part in ("weight", "weight_scale"):
-            t = getattr(mod, part)
-            if on_gpu:
-                from torch.multiprocessing.reductions import reduce_tensor
-                entry[part] = ("cuda_ipc", reduce_tensor(t.data))
-            else:
-                path = folder / f"{name}.{part}"
-                if not path.exists():
-                    t.data = _to_shared_file(t.data, path)
-                entry[part] = ("file", str(path), str(t.dtype).replace("torch.", ""), tuple(t.shape))
+            entry[part] = _handle(getattr(mod, part), folder, f"{name}.{part}")
         out[name] = entry
-    return out
+    dense_out = {}
+    if dense:
+        for pname, param in model.named_parameters():
+            hf_name = pname.replace(".base_layer", "")
+            if hf_name.rpartition(".")[0] not in mods:
+                dense_out[hf_name] = _handle(param, folder, hf_name)
+    return {"projections": out, "dense": dense_out}
+
+
+def _handle(param: torch.Tensor, folder: Path | None, name: str):
+    """CUDA IPC handle of a GPU tensor; on a CPU machine the tensor's storage moves (once) into the file
+    `folder/name` and the handle names it."""
+    if param.is_cuda:
+        from torch.multiprocessing.reductions import reduce_tensor
+        return ("cuda_ipc", reduce_tensor(param.data))
+    path = folder / name
+    if not path.exists():
+        param.data = _to_shared_file(param.data, path)
+    return ("file", str(path), str(param.dtype).replace("torch.", ""), tuple(param.shape))
 
 
 def cleanup(scratch: str | os.PathLike | None = None) -> None:

@@ -255,6 +255,7 @@ class PolicyTrainer(TrainerInterface):
         t0 = time.time()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+            self._allocated_at_start = torch.cuda.memory_allocated()
         with phase("trainer/plan"):          # micro-batches, pi_old / reference log-probs, statistics
             plan = self._plan(batch)
         epochs = int(self.cfg["trainer"]["epochs"])
@@ -327,9 +328,23 @@ class PolicyTrainer(TrainerInterface):
         return {n: base_checksum([m.qweight, m.weight_scale]) for n, m in lora_modules(self.model).items()}
 
     def memory(self) -> dict[str, float]:
-        if self.device.type == "cuda":
-            return {"memory/trainer_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
-        return {}
+        """GPU: what this process allocated (mapped one_copy tensors are the engine's: not counted), its peak in the
+        last train_step, the base it owns (0 with one_copy), adapter + optimizer state, activations (peak minus
+        what was allocated when the step began) and the device's free memory. CPU: {}."""
+        if self.device.type != "cuda":
+            return {}
+        gib = 2**30
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)      # noqa: E731
+        from .fp8_lora import lora_modules
+        owned = [] if self.weights.name == "map" else [t for m in lora_modules(self.model).values()
+                                                        for t in (m.qweight, m.weight_scale, m.weight) if t is not None]
+        state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        peak = torch.cuda.max_memory_allocated()
+        return {"memory/trainer_allocated_gib": torch.cuda.memory_allocated() / gib,
+                "memory/trainer_peak_gib": peak / gib, "memory/trainer_base_gib": nbytes(owned) / gib,
+                "memory/trainer_optimizer_gib": (nbytes(state) + nbytes(self.params)) / gib,
+                "memory/trainer_activations_gib": max(0, peak - getattr(self, "_allocated_at_start", peak)) / gib,
+                "memory/free_gib": torch.cuda.mem_get_info()[0] / gib}
 
     def score_tokens(self, sequences: list[list[int]], prompt_lens: list[int], use_adapter: bool = True) -> list[list[float]]:
         """Log-probs (temperature 1) of each sequence's tokens after its prompt: the parity probe's trainer side."""

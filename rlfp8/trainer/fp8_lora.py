@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -76,12 +76,15 @@ class FP8LoRALinear(nn.Module):
 
 def apply_lora(model: nn.Module, rank: int, alpha: float, targets: Iterable[str] = DEFAULT_TARGETS,
                use_rslora: bool = False, weights: str = "fp8", device: torch.device | str | None = None,
-               exclude: str | None = None, module_cls: type | None = None) -> list[str]:
+               exclude: str | None = None, module_cls: type | None = None,
+               fill_meta: Callable[[str, nn.Module], None] | None = None) -> list[str]:
     """Replace every nn.Linear whose last name is in `targets` by a `module_cls` (FP8LoRALinear by default;
     the adapter kind names its class: rlfp8.trainer.adapters); freeze the rest.
 
     Modules are converted one at a time (quantize on `device`, drop the 16-bit weight) so the peak
-    memory is the FP8 model plus one 16-bit layer. Returns the replaced module names.
+    memory is the FP8 model plus one 16-bit layer. fill_meta(name, linear): gives a linear whose weight is
+    still on the meta device its values just before it is converted (random-weight models). Returns the
+    replaced module names.
     """
     cls = module_cls or FP8LoRALinear
     targets = set(targets)
@@ -99,6 +102,8 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, targets: Iterable[str]
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        if fill_meta is not None and module.weight.is_meta:
+            fill_meta(name, module)
         setattr(parent, child, cls.from_linear(module, rank, alpha, use_rslora, weights, device))
         replaced.append(name)
     if not replaced:

@@ -2,17 +2,30 @@
 
     quantize  load the 16-bit checkpoint on the CPU and quantize one projection at a time (two_copies)
     offload   the same, and the frozen base waits in pinned host memory while the engine runs (offloaded)
-    map       the engine's FP8 tensors handed over through CUDA IPC (one_copy): not built yet (issue 14)
+    map       the engine's FP8 tensors handed over (CUDA IPC on a GPU, files on a CPU machine: one_copy)
 
 A placement names its source (rlfp8.placement); one_copy is a new source here, not a branch in the trainer.
+
+Random-weight models (model.path=random:<arch>, a folder with a config and no weights): the model is built
+with its parameters on the meta device and no 16-bit copy of it ever exists. `quantize`/`offload` fill
+each projection with seeded uniform(-1e-3, 1e-3) values on the device just before quantizing it (one
+layer at a time) and the other tensors likewise; `map` maps the projections AND the engine's other tensors
+(embeddings, norms, lm_head: the engine exports them for random models), so one_copy computes exactly
+what the engine computes. With two_copies / offloaded the engine's random base (vLLM's load_format="dummy",
+its own seeded init) is NOT the trainer's: mismatch metrics and the parity probe are meaningless there
+(timing and memory only; engine.parity_probe.every=0).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from rlfp8.models import is_random
+
 from .adapters import adapter_kind
 from .fp8_lora import apply_lora
+
+RANDOM_RANGE = 1e-3         # vLLM's dummy weights are uniform(-1e-3, 1e-3) too: activations of the same size
 
 
 class BaseWeightSource:
@@ -35,14 +48,21 @@ class QuantizeFromCheckpoint(BaseWeightSource):
     def load(self, model_path, cfg, device, dtype):
         from transformers import AutoModelForCausalLM
         acfg, tcfg = cfg["adapter"], cfg["trainer"]
-        # Load the 16-bit checkpoint on the CPU, then quantize/move one projection at a time.
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, low_cpu_mem_usage=True)
+        random_weights = is_random(cfg["model"]["path"])
+        seed = int(cfg["seed"])
+        if random_weights:
+            model = meta_skeleton(model_path, dtype)
+        else:     # the 16-bit checkpoint on the CPU, then quantize/move one projection at a time
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, low_cpu_mem_usage=True)
         if getattr(model.get_output_embeddings(), "bias", None) is not None:
             raise NotImplementedError("lm_head with a bias is not supported by the chunked log-prob path")
+        fill = (lambda name, linear: fill_random(name, linear, device, dtype, seed)) if random_weights else None
         replaced = apply_lora(model, rank=int(acfg["rank"]), alpha=float(acfg["alpha"]),
                               targets=acfg["target_modules"], use_rslora=bool(acfg["use_rslora"]),
                               weights=tcfg["weights"], device=device,
-                              module_cls=adapter_kind(acfg["type"]).module_cls)
+                              module_cls=adapter_kind(acfg["type"]).module_cls, fill_meta=fill)
+        if random_weights:
+            materialise_dense(model, device, dtype, seed)
         model.to(device)
         model.config.use_cache = False
         return model, replaced
@@ -83,7 +103,8 @@ class MapHandedOver(BaseWeightSource):
     """one_copy: the adapted projections alias the engine's FP8 codes and scales (handles from the engine's
     export_weights: CUDA IPC on a GPU, /dev/shm files on a CPU machine); q/k/v and gate/up are row views of
     the engine's fused tensors. The rest of the model (embeddings, norms, lm_head) is loaded as usual; the
-    16-bit projection weights are read on the host and dropped, never moved to the device."""
+    16-bit projection weights are read on the host and dropped, never moved to the device. A random-weight
+    model has no checkpoint: the rest is mapped from the engine too (its export's "dense" part)."""
     name = "map"
 
     def __init__(self, handles: dict | None = None):
@@ -94,7 +115,11 @@ class MapHandedOver(BaseWeightSource):
     def load(self, model_path, cfg, device, dtype):
         from transformers import AutoModelForCausalLM
         acfg = cfg["adapter"]
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, low_cpu_mem_usage=True)
+        random_weights = is_random(cfg["model"]["path"])
+        if random_weights:
+            model = meta_skeleton(model_path, dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, low_cpu_mem_usage=True)
         cls = adapter_kind(acfg["type"]).module_cls
         views = self._row_views()
         replaced = []
@@ -110,13 +135,17 @@ class MapHandedOver(BaseWeightSource):
                       bool(acfg["use_rslora"]), "fp8")
             mod.qweight, mod.weight_scale = q, scale
             if module.bias is not None:
-                mod.bias = module.bias.detach().to(device).clone()
+                mod.bias = module.bias.detach().to(device).clone() if not module.bias.is_meta else \
+                    torch.zeros(module.out_features, device=device, dtype=dtype)
             mod.to(device)
             if hasattr(mod, "init_magnitude"):
                 mod.init_magnitude()
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, child, mod)
             replaced.append(name)
+        if random_weights:
+            dense = {n: map_handle(h) for n, h in self.handles["dense"].items()}
+            materialise_dense(model, device, dtype, int(cfg["seed"]), source=dense)
         for p in model.parameters():
             if not any(p is q for m in replaced for q in model.get_submodule(m).parameters()):
                 p.requires_grad_(False)
@@ -128,7 +157,7 @@ class MapHandedOver(BaseWeightSource):
         """HF projection name -> (codes, scales), row views of the engine's (possibly fused) tensors."""
         from rlfp8.shared_tensors import PACKED_MODULES
         views = {}
-        for vname, entry in self.handles.items():
+        for vname, entry in self.handles["projections"].items():
             q, scale = map_handle(entry["weight"]), map_handle(entry["weight_scale"])
             parent, _, last = vname.rpartition(".")
             subs = PACKED_MODULES.get(last, [last])
@@ -141,7 +170,76 @@ class MapHandedOver(BaseWeightSource):
         return views
 
     def tensors(self) -> list[torch.Tensor]:
-        return [map_handle(e[k]) for e in self.handles.values() for k in ("weight", "weight_scale")]
+        return [map_handle(e[k]) for e in self.handles["projections"].values() for k in ("weight", "weight_scale")]
+
+
+class _ParametersOnMeta:
+    """Within: every nn.Parameter is created on the meta device; buffers (rotary inv_freq) stay real."""
+
+    def __enter__(self):
+        self.original = nn.Module.register_parameter
+
+        def register(module, name, param):
+            if param is not None and not param.is_meta:
+                param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            self.original(module, name, param)
+        nn.Module.register_parameter = register
+
+    def __exit__(self, *exc):
+        nn.Module.register_parameter = self.original
+
+
+def meta_skeleton(model_path: str, dtype: torch.dtype) -> nn.Module:
+    """The model of `model_path`'s config.json with every parameter on the meta device (no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(model_path)
+    with _ParametersOnMeta():
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _generator(device: torch.device, seed: int, name: str) -> torch.Generator:
+    import hashlib
+    g = torch.Generator(device=device)
+    g.manual_seed(int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=7).digest(), "little"))
+    return g
+
+
+def fill_random(name: str, linear: nn.Linear, device: torch.device, dtype: torch.dtype, seed: int) -> None:
+    """One projection's weight (and bias: zeros), seeded by (seed, name), on the device: apply_lora quantizes
+    it right away, so only one 16-bit layer exists at a time."""
+    w = torch.empty(linear.weight.shape, device=device, dtype=dtype)
+    w.uniform_(-RANDOM_RANGE, RANDOM_RANGE, generator=_generator(device, seed, name))
+    linear.weight = nn.Parameter(w, requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(torch.zeros(linear.out_features, device=device, dtype=dtype), requires_grad=False)
+
+
+def materialise_dense(model: nn.Module, device: torch.device, dtype: torch.dtype, seed: int,
+                      source: dict[str, torch.Tensor] | None = None) -> None:
+    """Every parameter still on the meta device (embeddings, norms, lm_head) gets a real frozen tensor: the
+    engine's tensor of the same name when `source` has it (aliased, rows cut to the vocabulary where vLLM
+    pads), else seeded uniform values. A parameter `source` should have but lacks is an error."""
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    for mod_name, mod in model.named_modules():
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            if not p.is_meta or (tied and mod is model.get_output_embeddings()):
+                continue
+            full = f"{mod_name}.{pname}" if mod_name else pname
+            if source is not None:
+                if full not in source:
+                    raise ValueError(f"one_copy with model.path=random:...: the engine exported no tensor {full!r} "
+                                     f"(exported: {sorted(source)[:6]}...)")
+                t = source[full][: p.shape[0]]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"one_copy: the engine's {full} is {tuple(source[full].shape)}, the trainer's "
+                                     f"{tuple(p.shape)}")
+                t = t.to(device=device, dtype=dtype)
+            else:
+                t = torch.empty(p.shape, device=device, dtype=dtype)
+                t.uniform_(-RANDOM_RANGE, RANDOM_RANGE, generator=_generator(device, seed, full))
+            mod._parameters[pname] = nn.Parameter(t, requires_grad=False)
+    if tied:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
 
 
 def map_handle(handle) -> torch.Tensor:

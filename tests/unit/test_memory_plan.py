@@ -1,0 +1,70 @@
+"""An out-of-memory error in any phase is re-raised with the memory plan and the config keys that size that phase
+(rlfp8.memory_plan); other errors pass unchanged. The errors are injected: torch's OutOfMemoryError, vLLM's
+KV-cache-too-small ValueError (its own text), and one wrapped the way Ray wraps an actor's error."""
+import pytest
+import torch
+
+from rlfp8.config import compose_dict
+from rlfp8.memory_plan import OutOfMemoryPlanError, is_out_of_memory, on_out_of_memory, phase_metrics
+
+VLLM_KV_TOO_SMALL = ("To serve at least one request with the model's max seq len (1536), (0.21 GiB KV cache is "
+                     "needed, which is larger than the available KV cache memory (0.10 GiB). Try increasing "
+                     "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine.")
+
+
+class RayTaskErrorLike(Exception):
+    def __init__(self, cause):
+        super().__init__("ray.exceptions.RayTaskError(...): the actor died")
+        self.cause = cause
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return compose_dict(["model=tiny", "placement=one_copy", "engine.precision=w8a16", "engine.max_num_seqs=64",
+                         "trainer.micro_batch_tokens=4096"])
+
+
+def _raise_in(phase, cfg, error, measured=None):
+    with pytest.raises(OutOfMemoryPlanError) as info:
+        with on_out_of_memory(phase, cfg, measured or {}):
+            raise error
+    return str(info.value), info.value
+
+
+def test_train_oom_names_the_trainer_keys_and_shows_the_measured_plan(cfg):
+    measured = phase_metrics("rollout", {"memory/kv_cache_gib": 24.0, "memory/engine_weights_gib": 9.5})
+    msg, err = _raise_in("train", cfg, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+                         measured)
+    assert "phase 'train'" in msg and "rollout/kv_cache_gib: 24.00" in msg and "rollout/engine_weights_gib: 9.50" in msg
+    for key in ("trainer.micro_batch_tokens=4096", "trainer.gradient_checkpointing=False", "engine.release_kv=auto"):
+        assert key in msg
+    assert "Tried to allocate 20.00 GiB" in msg and isinstance(err.__cause__, torch.OutOfMemoryError)
+
+
+def test_vllm_kv_cache_too_small_at_setup_names_the_engine_keys(cfg, tmp_path):
+    import json
+
+    from rlfp8.models import architecture_config
+    (tmp_path / "config.json").write_text(json.dumps(architecture_config("qwen3_8b")))
+    cfg = {**cfg, "model": {**cfg["model"], "resolved_path": str(tmp_path)}}
+    msg, _ = _raise_in("setup", cfg, ValueError(VLLM_KV_TOO_SMALL))
+    assert "planned (rough" in msg and "kv_cache_needed" in msg
+    for key in ("engine.gpu_memory_utilization=", "engine.kv_cache_memory_gb=None", "engine.max_num_seqs=64",
+                "engine.max_model_len=", "nothing measured yet"):
+        assert key in msg
+
+
+def test_an_error_wrapped_by_ray_is_recognised_in_rollout(cfg):
+    msg, _ = _raise_in("rollout", cfg, RayTaskErrorLike(torch.OutOfMemoryError("CUDA out of memory")))
+    assert "phase 'rollout'" in msg and "engine.max_num_seqs=64" in msg and "OutOfMemoryError" in msg
+
+
+def test_other_errors_pass_unchanged(cfg):
+    assert not is_out_of_memory(ValueError("algo.temperature=0: RL needs sampling"))
+    with pytest.raises(KeyError):
+        with on_out_of_memory("sync", cfg, {}):
+            raise KeyError("x")
+
+
+def test_phase_metrics_prefix():
+    assert phase_metrics("train", {"memory/trainer_peak_gib": 1.5}) == {"memory/train/trainer_peak_gib": 1.5}
