@@ -33,8 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 CALL_PHASES = {
     "generate": ("engine/generate", "engine/outputs"),
     "train_step": ("trainer/plan", "trainer/forward", "trainer/backward", "trainer/metrics", "trainer/optimizer"),
-    "export_adapter": ("trainer/export",),
-    "set_adapter": ("engine/set_adapter",),
+    "sync_adapters": ("trainer/export", "engine/set_adapter"),
     "score": ("engine/score",),
 }
 
@@ -46,9 +45,17 @@ class CallMeter:
         self.inner, self.calls = call, defaultdict(lambda: {"s": 0.0, "n": 0, "arg_bytes": 0, "result_bytes": 0})
 
     def __call__(self, method, *args, **kwargs):
+        return self.timed(getattr(method, "_method_name", str(method)), self.inner, method, *args, **kwargs)
+
+    def wrap(self, obj, name: str) -> None:
+        """obj.name(...) (a driver-side method that waits for actors, e.g. Pairs.generate) is metered as `name`."""
+        fn = getattr(obj, name)
+        setattr(obj, name, lambda *a, **k: self.timed(name, fn, *a, **k))
+
+    def timed(self, name: str, fn, *args, **kwargs):
         t0 = time.perf_counter()
-        result = self.inner(method, *args, **kwargs)
-        rec = self.calls[getattr(method, "_method_name", str(method))]
+        result = fn(*args, **kwargs)
+        rec = self.calls[name]
         rec["s"] += time.perf_counter() - t0
         rec["n"] += 1
         rec["arg_bytes"] += _size((args, kwargs))
@@ -111,7 +118,9 @@ def main() -> int:
     t0 = time.perf_counter()
     r = train.setup(cfg, folder, resuming=False)
     setup_s = time.perf_counter() - t0
-    engine, trainer = r.placement.engine, r.placement.trainer
+    engine, trainer = r.placement.engine, r.placement.trainer       # pair 0's actors
+    for name in ("generate", "train_step", "sync_adapters"):          # the pairs' calls wait with ray.get directly
+        meter.wrap(r.placement, name)
     takers = {"engine": lambda: meter.inner(engine.take_phase_times, sync),
               "trainer": lambda: meter.inner(trainer.take_phase_times, sync),
               "driver": lambda: profiling.take_phase_times(sync)}
