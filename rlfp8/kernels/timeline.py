@@ -16,6 +16,13 @@ SLOTS = 8
 MAX_SLOTS = ("k1_end", "k2_mainloop_end", "k2_end")   # slots reduced by max; the others by min
 
 
+def enable(addr: int) -> None:
+    """Turn the stamps on for this process: call before any kernel compiles (also as the initializer of
+    precompile's worker processes, so that their binaries match)."""
+    global ADDR
+    ADDR = tl.constexpr(int(addr))
+
+
 @triton.jit
 def stamp(mask, SLOT: tl.constexpr, AT_MAX: tl.constexpr):
     """Record %globaltimer (ns) into slot SLOT where `mask` (a scalar) holds: atomic max if AT_MAX else min."""

@@ -162,3 +162,25 @@ def test_gluon_main_loop_pipelined_without_spills(compiled):
         assert r.get("stack", 0) == 0, f"spills: {r}"
         assert r["wgmma_serialized"] == [], f"ptxas serializes the wgmmas: {r['wgmma_serialized']} {r['constexprs']}"
         assert 1 in r["wgmma_wait_depths"], f"no wgmma left in flight: {r['wgmma_wait_depths']} {r['constexprs']}"
+
+
+def test_timeline_stamps_compile_for_the_benchmark():
+    """bench/pdl_timeline.py's stamped K1/K2 (rlfp8.kernels.timeline enabled) compile for sm_90a with the
+    %globaltimer reads, in both modes (the PDL decode pairs at 64 tokens)."""
+    code = (
+        "import json\n"
+        "from rlfp8.kernels import timeline\n"
+        "timeline.enable(1 << 40)\n"
+        "from rlfp8.kernels import _triton_utils as tu\n"
+        "import tests.kernel.sm90_compile_worker as w\n"
+        "with tu.collect_launches() as rec:\n"
+        "    w._rank_and_pdl_launches()\n"
+        "for i, (k, g, a, kw) in enumerate(w._distinct(rec)[-4:]):\n"
+        "    r = w._check((i, tu.jit_spec(k, a, kw)))\n"
+        "    print(json.dumps(dict(name=r['name'], ok=r['ok'], err=r.get('error'), stamps=r.get('globaltimer'))))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-5000:]
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert {r["name"] for r in rows} == {"_lora_shrink_kernel", "_lora_gemm_kernel"}
+    assert all(r["ok"] and r["stamps"] for r in rows), rows
