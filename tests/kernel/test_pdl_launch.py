@@ -129,3 +129,26 @@ def test_interpreter_runs_stream_order_with_unchanged_outputs(mode):
     h = torch.stack([torch.einsum("tk,trk->tr", x.double(), a[slots.clamp(min=0)].double()) for a in A])
     ref = gemm_fp64(xr, q, sw, x_scale=xsr, h=h, B=B, slots=slots)
     assert rel_err(y_auto, ref) < 1e-5
+
+
+def test_timeline_benchmark_imports_and_derives_the_verdict():
+    """bench/pdl_timeline.py: --help runs without a GPU; the exposed K1 and the issue's hiding condition come
+    out of the stamps as documented."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "bench/pdl_timeline.py", "--help"], cwd=root, capture_output=True, text=True)
+    assert p.returncode == 0 and "--out" in p.stdout, p.stderr
+    sys.path.insert(0, str(root / "bench"))
+    import pdl_timeline as bench
+    row = bench.derive(dict(pdl_pair_us=12.0, stream_k2_us=10.5, pdl_k1_us=6.0, pdl_k2_offset_us=1.5,
+                            stream_prog0_mainloop_us=4.0))
+    assert row["exposed_k1_us"] == 1.5 and row["k1_left_after_k2_start_us"] == 4.5
+    assert row["hidden_condition"] is False                    # 4 us of main loop < 4.5 us of K1 left
+    from rlfp8.kernels.timeline import SLOT_NAMES
+    stamps = {n: 1000 * i for i, n in enumerate(SLOT_NAMES, start=1)}
+    d = bench._durations(stamps, "pdl")
+    assert d["k1_us"] == 1.0 and d["pair_us"] == 6.0 and d["prog0_wait_us"] == 1.0
+    stamps["k2_wait_enter"] = stamps["k2_wait_exit"] = bench._UNSET      # the stream arm: no wait stamped
+    assert bench._durations(stamps, "pdl")["prog0_wait_us"] is None
