@@ -22,7 +22,7 @@ def compiled():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["RLFP8_TUNED_GPU"] = env.get("RLFP8_TUNED_GPU", "NVIDIA H200")   # include a committed tuned table
     p = subprocess.run([sys.executable, "-m", "tests.kernel.sm90_compile_worker", "--jobs", "2"], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=900)
+                       env=env, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stderr[-5000:]
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     return [r for r in rows if "event" not in r]
