@@ -174,10 +174,11 @@ def _compile_spec_quiet(spec: dict) -> str | None:
         return f"{spec['name']}: {type(e).__name__}: {str(e)[:300]}"
 
 
-def precompile(records: list, jobs: int = 8, target=None) -> dict:
+def precompile(records: list, jobs: int = 8, target=None, initializer=None, initargs=()) -> dict:
     """Compile the launches captured by collect_launches() in `jobs` worker processes (spawned: they never
-    touch CUDA), filling Triton's on-disk cache so that the real launches load binaries instead of compiling
-    one by one. Returns {"kernels": n, "errors": [...], "seconds": s}."""
+    touch CUDA; `initializer(*initargs)` runs first in each, e.g. rlfp8.kernels.timeline.enable), filling
+    Triton's on-disk cache so that the real launches load binaries instead of compiling one by one.
+    Returns {"kernels": n, "errors": [...], "seconds": s}."""
     import multiprocessing as mp
     import time
     from concurrent.futures import ProcessPoolExecutor
@@ -197,7 +198,8 @@ def precompile(records: list, jobs: int = 8, target=None) -> dict:
             specs.append(spec)
     errors = []
     if specs:
-        with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(specs))), mp_context=mp.get_context("spawn")) as ex:
+        with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(specs))), mp_context=mp.get_context("spawn"),
+                                 initializer=initializer, initargs=initargs) as ex:
             errors = [e for e in ex.map(_compile_spec_quiet, specs) if e]
     return {"kernels": len(specs), "errors": errors, "seconds": round(time.time() - t0, 1)}
 

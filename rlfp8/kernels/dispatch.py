@@ -53,6 +53,13 @@ def use_backend(backend: str):
 
 def choose(op: str, *tensors: torch.Tensor | None) -> str:
     """Return "triton" or "torch" for this call of `op` and record the choice."""
+    path = would_choose(op, *tensors)
+    record(op, path)
+    return path
+
+
+def would_choose(op: str, *tensors: torch.Tensor | None) -> str:
+    """What `choose` would return, without recording it (a caller planning several ops)."""
     on_cuda = any(t is not None and t.is_cuda for t in tensors)
     backend = knobs().backend
     if backend == "torch":
@@ -65,8 +72,40 @@ def choose(op: str, *tensors: torch.Tensor | None) -> str:
         path = "triton"
     else:
         path = "triton" if on_cuda else "torch"
-    record(op, path)
     return path
+
+
+def pdl_unavailable(device: torch.device) -> str | None:
+    """None when a programmatic dependent launch can run on `device`, else why not (sm_90+ GPU and a Triton
+    with tl.extra.cuda.gdc_*; never under the interpreter, which cannot run griddepcontrol)."""
+    if triton_interpreting():
+        return "the Triton interpreter (TRITON_INTERPRET=1) cannot run griddepcontrol"
+    if device.type != "cuda":
+        return f"tensors on {device}, not a CUDA GPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}; PDL needs sm_90+"
+    try:
+        from triton.language.extra import cuda as tl_cuda
+    except ImportError as e:
+        return f"triton.language.extra.cuda unavailable ({e})"
+    if not (hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents")):
+        return "this Triton build has no tl.extra.cuda.gdc_wait / gdc_launch_dependents"
+    return None
+
+
+def choose_launch(op: str, device: torch.device) -> bool:
+    """Whether `op`'s dependent kernel is launched by PDL (True) or in plain stream order (False), from the
+    knob `pdl` (kernels.pdl / RLFP8_PDL); records "<op>.launch" = pdl | stream. pdl=on where PDL cannot run
+    raises, naming the knob and the reason."""
+    mode = knobs().pdl
+    why = None if mode == "off" else pdl_unavailable(torch.device(device))
+    if mode == "on" and why is not None:
+        raise RuntimeError(f"rlfp8.kernels.{op}: kernel knob pdl=on (kernels.pdl / RLFP8_PDL) but {why}; "
+                           "use pdl=auto or off")
+    use = mode != "off" and why is None
+    record(f"{op}.launch", "pdl" if use else "stream")
+    return use
 
 
 def record(op: str, path: str) -> None:

@@ -49,8 +49,11 @@ Kernel strategy (Hopper):
     the next slot's B tile prefetched, so a tile with 16-32 slots waits for one memory round trip instead of
     two per slot).
   * the wait point for h is explicit: with USE_PDL a `gdc_wait()` sits right before the epilogue reads h
-    (before the main loop in W8A8, whose x_q also comes from K1), so a later programmatic-dependent launch
-    can overlap K1 with K2's main loop. The interpreter cannot run gdc_*, hence the constexpr guard.
+    (before the main loop in W8A8, whose x_q also comes from K1), so K2 launched as K1's programmatic
+    dependent (rlfp8.kernels.projection) overlaps K1 with its main loop. In W8A8 the first-wave programs
+    only ask L2 for the first bytes of their weight rows before the wait (_prefetch_weight_rows). Nothing
+    before the wait reads what K1 writes; gdc_wait returns once K1 has completed and flushed. The
+    interpreter cannot run gdc_*, hence the constexpr guard.
   * configs per token bucket (gemm_configs); a tuned table (rlfp8/kernels/tuned/<gpu>.json, written by
     bench/kernels.py --tune) overrides the heuristics. Configs are keyed by (mode, token bucket, K, N class)
     where the N class only separates N <= 8192 from wider weights, so the q/k/v row views of a fused qkv
@@ -72,6 +75,7 @@ from .gemm_configs import M_BUCKETS, WIDENINGS, GemmConfig, gemm_config, m_bucke
 from .knobs import knobs
 from .gemm_ref import check_lora_gemm_args
 from .metadata import LoRAMeta
+from .timeline import K2_END, K2_MAINLOOP_END, K2_START, K2_WAIT_ENTER, K2_WAIT_EXIT, stamp
 from .widen import _e4m3_to_bf16, _e4m3x2_to_bf16, _e4m3x4_to_bf16, _keep
 
 OP = "lora_gemm"
@@ -100,6 +104,25 @@ def _lora_mma(acc, bt, hT, LORA_PREC: tl.constexpr, LORA_DT: tl.constexpr):
     else:
         acc = tl.dot(bt.to(tl.float32), hT, acc, input_precision=LORA_PREC)
     return acc
+
+
+# W8A8 with PDL: bytes of each weight row (from the program's first k) asked into L2 before the early wait,
+# while K1 runs. The first-wave programs of gate_up at decode hold ~400 x 64 rows: 1 KiB per row keeps that
+# at ~25 MiB, about what HBM delivers during K1 (~5 us) and half the H200's L2.
+_PDL_PREFETCH_ROW = tl.constexpr(1024)
+
+
+@triton.jit
+def _prefetch_weight_rows(w_ptr, n_ld, stride_wn, pid_k, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """cp.async.bulk.prefetch.L2 of the first _PDL_PREFETCH_ROW bytes of this program's K range of each of its
+    weight rows (the host checks 16-byte aligned rows and K, stride_wk = 1). Reads nothing K1 writes."""
+    k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = pid_k * k_per
+    nbytes = tl.minimum(tl.minimum(K, k_lo + k_per) - k_lo, _PDL_PREFETCH_ROW)
+    if nbytes > 0:
+        rows = (w_ptr + n_ld.to(tl.int64) * stride_wn + k_lo).to(tl.int64, bitcast=True)
+        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;", "=r,l,r",
+                                  [rows, tl.zeros_like(n_ld) + nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 _PIPE_SLOTS_OVERRIDE: bool | None = None     # tests only: force the multi-adapter epilogue variant on or off
@@ -132,7 +155,8 @@ def _lora_gemm_kernel(
     HAS_G: tl.constexpr, HAS_BIAS: tl.constexpr, LORA_PREC: tl.constexpr, LORA_DT: tl.constexpr,
     PIPE_SLOTS: tl.constexpr,   # epilogue variant for many adapters (h loaded once, next B prefetched); same bits
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    USE_PDL: tl.constexpr, PDL_WAIT_EARLY: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    PDL_WAIT_EARLY: tl.constexpr,   # wait before the main loop (W8A8: x_q is K1's); 2 = L2 prefetch of weights first
     W_TMA: tl.constexpr,        # weight tiles through TMA: 1 = descriptor over q [N, K], block [BLOCK_N, BLOCK_K];
                                 # 2 = q is a transposed view (the backward's qᵀ), the descriptor is over the
                                 # stored codes [K, N] with block [BLOCK_K, BLOCK_N], transposed in shared memory
@@ -153,6 +177,7 @@ def _lora_gemm_kernel(
     group_size = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (tile % per_group) % group_size
     pid_n = (tile % per_group) // group_size
+    stamp(pid >= 0, K2_START, False)                            # benchmark timeline only (no code by default)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)            # output columns [BN]
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)            # tile positions [BM]
@@ -171,7 +196,12 @@ def _lora_gemm_kernel(
 
     if USE_PDL:
         if PDL_WAIT_EARLY:
-            tl.extra.cuda.gdc_wait()                            # x_q / x_scale come from K1 (W8A8)
+            # x_q / x_scale come from K1 (W8A8): only the weights may be touched before the wait
+            if PDL_WAIT_EARLY == 2:
+                _prefetch_weight_rows(w_ptr, n_ld, stride_wn, pid % SPLIT_K, K, BLOCK_K, SPLIT_K)
+            stamp(pid == 0, K2_WAIT_ENTER, False)
+            tl.extra.cuda.gdc_wait()
+            stamp(pid == 0, K2_WAIT_EXIT, False)
 
     # ---- main loop over this split's K range (whole BLOCK_K chunks)
     k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
@@ -237,6 +267,7 @@ def _lora_gemm_kernel(
             x_ptrs += BLOCK_K * stride_xk
     if not SWAP_AB:
         acc = tl.trans(acc_mn)                                    # [BN, BM]: the epilogue's orientation
+    stamp(pid == 0, K2_MAINLOOP_END, True)
 
     # ---- split-K: the partials are added in split order, by the tile's last program (all its tokens) or,
     # DIST_RED, by every program for its BLOCK_M // SPLIT_K tokens
@@ -296,7 +327,9 @@ def _lora_gemm_kernel(
 
     if USE_PDL:
         if not PDL_WAIT_EARLY:
+            stamp(pid == 0, K2_WAIT_ENTER, False)
             tl.extra.cuda.gdc_wait()                            # h comes from K1: wait only here
+            stamp(pid == 0, K2_WAIT_EXIT, False)
 
     if HAS_LORA:
         if ALL_SLOT0:
@@ -376,6 +409,7 @@ def _lora_gemm_kernel(
         acc += tl.load(bias_ptr + n_ld).to(tl.float32)[:, None]
     y_ptrs = y_ptr + rows64[None, :] * stride_ym + offs_n[:, None] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+    stamp(pid >= 0, K2_END, True)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -484,6 +518,15 @@ def _x_operand(x, cfg, gather):
     return x_arg, x_tma
 
 
+def _pdl_wait_early(mode, use_pdl, q, K, w_tma):
+    """W8A8 waits for K1 before its main loop; with PDL it first prefetches its weight rows into L2 (2) where
+    they are plain 16-byte aligned rows (not a TMA descriptor). W8A16 waits before the epilogue (False)."""
+    if mode != "w8a8":
+        return False
+    aligned = q.stride(1) == 1 and q.stride(0) % 16 == 0 and q.data_ptr() % 16 == 0 and K % 16 == 0
+    return 2 if use_pdl and not w_tma and aligned else True
+
+
 def _variant_flags(cfg, mode, x, meta, has_lora, dist_red) -> dict:
     """The host-chosen kernel variants: slot pipeline, unrolled split-K sum, widening, SYNC_A, FP8_ACC."""
     kn = knobs()
@@ -560,7 +603,7 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
            GATHER=bool(gather), HAS_G=g is not None and has_lora, HAS_BIAS=bias is not None,
            LORA_PREC=lora_precision, LORA_DT=_lora_dt(slices[0].dtype if has_lora else None),
            EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,
-           USE_PDL=use_pdl, PDL_WAIT_EARLY=mode == "w8a8", W_TMA=w_tma, SWAP_AB=cfg.swap_ab, X_TMA=x_tma,
+           USE_PDL=use_pdl, PDL_WAIT_EARLY=_pdl_wait_early(mode, use_pdl, q, K, w_tma), W_TMA=w_tma, SWAP_AB=cfg.swap_ab, X_TMA=x_tma,
            **_variant_flags(cfg, mode, x, meta, has_lora, dist_red),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
     return out

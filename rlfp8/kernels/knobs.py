@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 BACKENDS = ("auto", "triton", "torch")
 W8A16_WIDENINGS = ("bits", "cvt")
+PDL_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,10 @@ class KernelKnobs:
     fp8_precise_acc: int | None = None
     # which tuned GEMM table (rlfp8/kernels/tuned/<slug>.json) to read; None = the current GPU's name
     tuned_gpu: str | None = None
+    # the engine projection (fp8_lora_linear): K2 as a programmatic dependent launch of K1, its main loop
+    # overlapping K1 (same bits). auto = where the GPU is sm_90+ and Triton has gdc_*; on = require it
+    # (error elsewhere); off = plain stream order. dispatch records "lora_gemm.launch" = pdl | stream
+    pdl: str = "auto"
 
 
 # environment variable -> knob; the only place in rlfp8.kernels that reads RLFP8_* variables
@@ -48,10 +53,11 @@ ENV_VARS = {
     "RLFP8_W8A16_WIDEN": "w8a16_widen",
     "RLFP8_FP8_PRECISE_ACC": "fp8_precise_acc",
     "RLFP8_TUNED_GPU": "tuned_gpu",
+    "RLFP8_PDL": "pdl",
 }
 ENV_VARS_BY_KNOB = {knob: var for var, knob in ENV_VARS.items()}
 _NAMES = tuple(f.name for f in dataclasses.fields(KernelKnobs))
-_CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS}
+_CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "pdl": PDL_MODES}
 _FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red")
 
 

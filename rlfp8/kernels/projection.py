@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from . import dispatch
 from .fp8 import ACT_ROUNDING, quantize_activation
 from .gemm import lora_gemm
 from .shrink import lora_shrink
@@ -18,7 +19,9 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
     layouts accepted; None = base only); meta from build_lora_meta or the engine's view of vLLM's metadata
     (None = slot 0 for every token). mode "w8a16" (x stays 16-bit) or "w8a8" (x quantized per token with `rounding`).
     shrink_out: a preallocated h buffer [L, T, r] fp32 (vLLM's); by default an uninitialised one, since K2
-    never reads the rows of tokens without adapter (no memset launch)."""
+    never reads the rows of tokens without adapter (no memset launch).
+    With Triton kernels K2 is launched as K1's programmatic dependent where the knob `pdl` allows it (same
+    bits); dispatch records "lora_gemm.launch" = pdl | stream."""
     if mode not in ("w8a16", "w8a8"):
         raise ValueError(f"rlfp8.kernels.fp8_lora_linear: mode {mode!r}: allowed 'w8a16', 'w8a8'")
     if (A is None) != (B is None):
@@ -28,16 +31,31 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
         raise ValueError(f"rlfp8.kernels.fp8_lora_linear: rounding {rounding!r}: allowed {ACT_ROUNDING}")
     h = None
     x_in, x_scale = x, None
+    use_pdl = _use_pdl(x, q, A, meta)
     if A is not None:
         if shrink_out is None:
             L = len(A) if isinstance(A, (list, tuple)) else 1
             r = (A[0] if isinstance(A, (list, tuple)) else A).shape[-2]
             shrink_out = torch.empty((L, x.shape[0], r), dtype=torch.float32, device=x.device)
-        so: ShrinkOut = lora_shrink(x, A, meta, quant=quant, out=shrink_out)
+        # `so` stays referenced until K2 is enqueued: with PDL, K2 runs beside K1, so K1's split-K workspace
+        # must not go back to the allocator (and become K2's buffers) before then
+        so: ShrinkOut = lora_shrink(x, A, meta, quant=quant, out=shrink_out, use_pdl=use_pdl)
         h = so.h
         if quant is not None:
             x_in, x_scale = so.x_q, so.x_scale
     elif quant is not None:
         x_in, x_scale = quantize_activation(x, quant)
-    return lora_gemm(x_in, q, w_scale, x_scale=x_scale, h=h, B=B, meta=meta, g=g, bias=bias,
-                     out_dtype=out_dtype or (x.dtype if x.dtype != torch.float32 else torch.bfloat16))
+    y = lora_gemm(x_in, q, w_scale, x_scale=x_scale, h=h, B=B, meta=meta, g=g, bias=bias, use_pdl=use_pdl,
+                  out_dtype=out_dtype or (x.dtype if x.dtype != torch.float32 else torch.bfloat16))
+    return y
+
+
+def _use_pdl(x, q, A, meta) -> bool:
+    """K2 as K1's programmatic dependent: only on the Triton path, and only when K1 runs a shrink kernel
+    (which triggers the launch); otherwise K2 follows in stream order (recorded either way)."""
+    if dispatch.would_choose("lora_gemm", x, q) != "triton":
+        return False
+    if A is None or (meta is not None and meta.no_lora):
+        dispatch.record("lora_gemm.launch", "stream")
+        return False
+    return dispatch.choose_launch("lora_gemm", x.device)

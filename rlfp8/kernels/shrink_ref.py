@@ -19,6 +19,7 @@ class ShrinkOut:
     h: torch.Tensor                       # [L, T, r] fp32
     x_q: torch.Tensor | None = None       # [T, K] float8_e4m3fn (W8A8)
     x_scale: torch.Tensor | None = None   # [T, 1] fp32 (W8A8)
+    workspace: torch.Tensor | None = None # K1's split-K partials (Triton); keep alive while K2 may run beside K1
 
 
 

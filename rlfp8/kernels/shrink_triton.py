@@ -37,6 +37,7 @@ from .fp8_ref import FP8_DTYPE
 from .fp8_triton import ROUNDING_CODE, _quant_config, _quant_rows_tile, quantize_rows_triton
 from .shrink_ref import ShrinkOut, a_slices, check_lora_shrink_args
 from .metadata import LoRAMeta
+from .timeline import K1_END, K1_START, stamp
 
 OP = "lora_shrink"
 
@@ -93,8 +94,11 @@ def _lora_shrink_kernel(
     # 1-D grid: [n_quant quantization programs (W8A8 only)] + [SPLIT_K x m_tiles x N_SLICES x segments shrink
     # programs], split index fastest.
     pid = tl.program_id(0)
+    stamp(pid >= 0, K1_START, False)          # benchmark timeline only (no code by default)
     if USE_PDL:
-        # Let the dependent K2 launch start its main loop now; it waits (gdc_wait) before reading h / x_q.
+        # Let the dependent K2 start now, at every program's start (the H200 probe: the full overlap; the
+        # trigger then also comes after all of K1's programs are resident, so K2 never delays them). Safe
+        # anywhere: K2 reads h / x_q only after gdc_wait, which waits for K1's completion and memory flush.
         tl.extra.cuda.gdc_launch_dependents()
     if QUANT != 0:
         if pid < n_quant:
@@ -180,6 +184,7 @@ def _lora_shrink_kernel(
                                        cache_modifier=".cg")
                 tl.store(h_ptrs, acc, mask=h_mask)
                 tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+    stamp(pid >= 0, K1_END, True)
 
 
 
@@ -243,5 +248,8 @@ def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: 
            BLOCK_M=cfg.block_m, BLOCK_R=br, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, N_SLICES=L,
            ALL_SLOT0=meta is None, QUANT=ROUNDING_CODE[quant] if quant else 0, QBLOCK_M=qbm, QBLOCK_K=qbk,
            EVEN_K=K % cfg.block_k == 0, RED_UNROLL=red_unroll, USE_PDL=use_pdl,
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
-    return ShrinkOut(h, xq, xs)
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # K1 itself is launched in stream order (it reads x at once and has no gdc_wait); use_pdl only makes it
+    # trigger its dependent K2. The workspace is returned so that the caller keeps it alive until K2 is
+    # enqueued: K2 then runs beside K1 and must not get this memory from the allocator.
+    return ShrinkOut(h, xq, xs, workspace=ws if cfg.split_k > 1 else None)

@@ -144,6 +144,17 @@ def _rank_and_pdl_launches(r: int = 64) -> None:
         lora_gemm_triton(x, q, sw, h=torch.empty(1, 16, rr), B=_e(2, N, rr), meta=meta)
     lora_shrink_triton(x, _e(2, r, K), meta, quant="div", use_pdl=True)
     lora_gemm_triton(x, q, sw, h=torch.empty(1, 16, r), B=_e(2, N, r), meta=meta, use_pdl=True)
+    # the engine projection's decode pairs (K1 -> K2 by PDL) in both modes: qkv (3 slices), split-K shrinks
+    K, widths = SHAPES["qkv"]
+    q, sw = _e(sum(widths), K, dtype=FP8), torch.empty(sum(widths))
+    for M in (1, 64):
+        x, meta = _e(M, K), build_lora_meta(torch.zeros(M, dtype=torch.long), 2)
+        A, B = [_e(2, r, K)] * 3, [_e(2, w, r) for w in widths]
+        for quant in ("div", None):
+            so = lora_shrink_triton(x, A, meta, quant=quant, out=torch.empty(3, M, r), use_pdl=True)
+            lora_gemm_triton(x if quant is None else _e(M, K, dtype=FP8), q, sw,
+                             x_scale=None if quant is None else torch.empty(M, 1), h=so.h, B=B, meta=meta,
+                             use_pdl=True)
 
 
 def _tuned_table_launches(S: int = 4, r: int = 64) -> None:
@@ -282,6 +293,8 @@ def _check(item):
         widen_prmt="mul.rn.bf16x2" in ptx and "prmt.b32" in ptx and "cvt.rn.f16x2.e4m3x2" not in ptx,
         cvt_e4m3="cvt.rn.satfinite.e4m3x2.f32" in ptx, gdc_wait="griddepcontrol.wait" in ptx,
         gdc_launch="griddepcontrol.launch_dependents" in ptx, tma="cp.async.bulk.tensor" in ptx,
+        l2_prefetch="cp.async.bulk.prefetch.L2" in ptx, globaltimer="%globaltimer" in ptx,
+        launch_pdl=bool(spec["options"].get("launch_pdl")),
         cubin_bytes=len(k.asm["cubin"]))
 
 

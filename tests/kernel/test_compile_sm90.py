@@ -22,7 +22,7 @@ def compiled():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["RLFP8_TUNED_GPU"] = env.get("RLFP8_TUNED_GPU", "NVIDIA H200")   # include a committed tuned table
     p = subprocess.run([sys.executable, "-m", "tests.kernel.sm90_compile_worker", "--jobs", "2"], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=900)
+                       env=env, capture_output=True, text=True, timeout=1800)
     assert p.returncode == 0, p.stderr[-5000:]
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     return [r for r in rows if "event" not in r]
@@ -116,11 +116,23 @@ def test_no_register_spills_where_occupancy_matters(compiled):
 
 
 def test_pdl_wait_point_present_only_when_asked(compiled):
+    """K1 (shrink, with and without the W8A8 quantization programs) triggers its dependent and is itself a
+    plain launch (it has no wait); K2 waits and is the one launched with launch_pdl; in W8A8 it asks L2 for
+    its weight rows before the early wait. Without USE_PDL none of it, and no timeline stamp anywhere."""
     pdl = [r for r in compiled if r["constexprs"].get("USE_PDL")]
     assert {r["name"] for r in pdl} == {"_lora_shrink_kernel", "_lora_gemm_kernel"}
-    for r in pdl:
-        assert r["gdc_launch"] if r["name"] == "_lora_shrink_kernel" else r["gdc_wait"], r
-    assert not any(r["gdc_wait"] or r["gdc_launch"] for r in compiled if not r["constexprs"].get("USE_PDL"))
+    k1 = [r for r in pdl if r["name"] == "_lora_shrink_kernel"]
+    k2 = [r for r in pdl if r["name"] == "_lora_gemm_kernel"]
+    assert {r["constexprs"]["QUANT"] for r in k1} == {0, 1} and any(r["constexprs"]["SPLIT_K"] > 1 for r in k1)
+    assert all(r["gdc_launch"] and not r["gdc_wait"] and not r["launch_pdl"] for r in k1), k1
+    assert all(r["gdc_wait"] and not r["gdc_launch"] and r["launch_pdl"] for r in k2), k2
+    w8a8 = [r for r in k2 if r["constexprs"]["HAS_XS"]]
+    assert len(w8a8) >= 2 and all(r["constexprs"]["PDL_WAIT_EARLY"] == 2 and r["l2_prefetch"] for r in w8a8)
+    assert all(not r["constexprs"]["PDL_WAIT_EARLY"] and not r["l2_prefetch"] for r in k2 if r not in w8a8)
+    others = [r for r in compiled if not r["constexprs"].get("USE_PDL")]
+    assert not any(r["gdc_wait"] or r["gdc_launch"] or r["launch_pdl"] for r in others)
+    assert not any(r["l2_prefetch"] for r in others if r["name"] == "_lora_gemm_kernel")
+    assert not any(r["globaltimer"] for r in compiled)
 
 
 def test_w8a16_register_a_loops_retire_wgmmas_before_the_next_widening(compiled):
@@ -150,3 +162,25 @@ def test_gluon_main_loop_pipelined_without_spills(compiled):
         assert r.get("stack", 0) == 0, f"spills: {r}"
         assert r["wgmma_serialized"] == [], f"ptxas serializes the wgmmas: {r['wgmma_serialized']} {r['constexprs']}"
         assert 1 in r["wgmma_wait_depths"], f"no wgmma left in flight: {r['wgmma_wait_depths']} {r['constexprs']}"
+
+
+def test_timeline_stamps_compile_for_the_benchmark():
+    """bench/pdl_timeline.py's stamped K1/K2 (rlfp8.kernels.timeline enabled) compile for sm_90a with the
+    %globaltimer reads, in both modes (the PDL decode pairs at 64 tokens)."""
+    code = (
+        "import json\n"
+        "from rlfp8.kernels import timeline\n"
+        "timeline.enable(1 << 40)\n"
+        "from rlfp8.kernels import _triton_utils as tu\n"
+        "import tests.kernel.sm90_compile_worker as w\n"
+        "with tu.collect_launches() as rec:\n"
+        "    w._rank_and_pdl_launches()\n"
+        "for i, (k, g, a, kw) in enumerate(w._distinct(rec)[-4:]):\n"
+        "    r = w._check((i, tu.jit_spec(k, a, kw)))\n"
+        "    print(json.dumps(dict(name=r['name'], ok=r['ok'], err=r.get('error'), stamps=r.get('globaltimer'))))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-5000:]
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert {r["name"] for r in rows} == {"_lora_shrink_kernel", "_lora_gemm_kernel"}
+    assert all(r["ok"] and r["stamps"] for r in rows), rows

@@ -1,0 +1,154 @@
+"""K1 -> K2 by programmatic dependent launch in the engine projection (fp8_lora_linear), on the CPU: the knob
+`pdl` and its resolution, the dispatch record "lora_gemm.launch", the launches it asks for (captured, as the
+sm_90a compile test does) and, under the interpreter (plain stream order), outputs equal to the launchers
+called without PDL and to the fp64 math."""
+import pytest
+import torch
+
+from rlfp8.kernels import _triton_utils as tu
+from rlfp8.kernels import dispatch, fp8, knobs
+from rlfp8.kernels.gemm_triton import lora_gemm_triton
+from rlfp8.kernels.metadata import build_lora_meta
+from rlfp8.kernels.projection import fp8_lora_linear
+from rlfp8.kernels.shrink_triton import lora_shrink_triton
+from tests.conftest import HAS_CUDA, rel_err
+from tests.oracles import gemm_fp64
+
+pytestmark = pytest.mark.skipif(HAS_CUDA, reason="CPU resolution of the knob (tests/gpu covers the GPU)")
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    saved = knobs.set_knobs()
+    dispatch.reset_report()
+    yield
+    knobs.restore_knobs(saved)
+
+
+def _problem(M=5, K=1024, widths=(32, 16, 16), S=2, r=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    N = sum(widths)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    q, sw = fp8.quantize_weight_ref(torch.randn(N, K, generator=g) * 0.05)
+    A = [(torch.randn(S, r, K, generator=g) * 0.1).to(torch.bfloat16) for _ in widths]
+    B = [(torch.randn(S, n, r, generator=g) * 0.1).to(torch.bfloat16) for n in widths]
+    slots = torch.tensor([1, -1, 0, 1, 0][:M])
+    return x, q, sw, A, B, slots, build_lora_meta(slots, S)
+
+
+def _fake_gpu(monkeypatch, capability):
+    """Make pdl_unavailable see a CUDA device of `capability` outside the interpreter (no GPU needed)."""
+    monkeypatch.setattr(dispatch, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "FakeGPU")
+
+
+def test_knob_values_config_key_and_env():
+    assert knobs.knobs().pdl == "auto"
+    with pytest.raises(ValueError, match=r"kernels\.pdl='yes'.*\('auto', 'on', 'off'\)"):
+        knobs.apply_config({"pdl": "yes"})
+    assert knobs._env_overrides({"RLFP8_PDL": "off"}) == {"pdl": "off"}
+    with pytest.raises(ValueError, match="RLFP8_PDL='1'"):
+        knobs._env_overrides({"RLFP8_PDL": "1"})
+
+
+def test_resolution_names_why_pdl_cannot_run(monkeypatch):
+    assert "interpreter" in dispatch.pdl_unavailable(torch.device("cpu"))     # conftest: TRITON_INTERPRET=1
+    monkeypatch.setattr(dispatch, "triton_interpreting", lambda: False)
+    assert "not a CUDA GPU" in dispatch.pdl_unavailable(torch.device("cpu"))
+    _fake_gpu(monkeypatch, (8, 0))
+    assert "FakeGPU is sm_80; PDL needs sm_90+" == dispatch.pdl_unavailable(torch.device("cuda"))
+    _fake_gpu(monkeypatch, (9, 0))
+    assert dispatch.pdl_unavailable(torch.device("cuda")) is None          # this Triton has gdc_*
+    from triton.language.extra import cuda as tl_cuda
+    monkeypatch.delattr(tl_cuda, "gdc_launch_dependents")
+    assert "no tl.extra.cuda.gdc_wait" in dispatch.pdl_unavailable(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("capability, mode, expect", [((9, 0), "auto", "pdl"), ((8, 9), "auto", "stream"),
+                                                      ((9, 0), "off", "stream"), ((9, 0), "on", "pdl"),
+                                                      ((8, 0), "on", RuntimeError)])
+def test_choose_launch_follows_the_knob_and_records(monkeypatch, capability, mode, expect):
+    _fake_gpu(monkeypatch, capability)
+    knobs.set_knobs(pdl=mode)
+    if expect is RuntimeError:
+        with pytest.raises(RuntimeError, match=r"kernel knob pdl=on \(kernels\.pdl / RLFP8_PDL\) but FakeGPU is sm_80"):
+            dispatch.choose_launch("lora_gemm", torch.device("cuda"))
+        return
+    assert dispatch.choose_launch("lora_gemm", torch.device("cuda")) == (expect == "pdl")
+    assert dispatch.report() == {"lora_gemm.launch": {expect: 1}}
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+def test_projection_launches_k2_as_k1s_dependent(monkeypatch, mode):
+    """Where PDL resolves on: K1 triggers its dependent and is itself a plain launch; K2 is launched with
+    launch_pdl and waits (W8A8: before its main loop, after the L2 prefetch of its weight rows)."""
+    x, q, sw, A, B, _, meta = _problem()
+    monkeypatch.setattr(dispatch, "pdl_unavailable", lambda device: None)
+    with dispatch.use_backend("triton"), tu.collect_launches() as rec:
+        fp8_lora_linear(x, q, sw, A, B, meta, mode=mode)
+    (k1, _, _, kw1), (k2, _, _, kw2) = rec
+    assert k1.fn.__name__ == "_lora_shrink_kernel" and kw1["USE_PDL"] and "launch_pdl" not in kw1
+    assert kw1["QUANT"] == (1 if mode == "w8a8" else 0) and kw1["SPLIT_K"] == 2
+    assert k2.fn.__name__ == "_lora_gemm_kernel" and kw2["USE_PDL"] and kw2["launch_pdl"] is True
+    assert kw2["PDL_WAIT_EARLY"] == (2 if mode == "w8a8" else False)
+    assert dispatch.report()["lora_gemm.launch"] == {"pdl": 1}
+
+
+def test_without_a_shrink_k2_follows_in_stream_order(monkeypatch):
+    """No adapter, or no token with one (meta.no_lora): K1 launches no shrink that could trigger K2."""
+    x, q, sw, A, B, _, _ = _problem()
+    monkeypatch.setattr(dispatch, "pdl_unavailable", lambda device: None)
+    none = build_lora_meta(torch.full((x.shape[0],), -1), 2)
+    with dispatch.use_backend("triton"), tu.collect_launches() as rec:
+        fp8_lora_linear(x, q, sw, mode="w8a8")
+        fp8_lora_linear(x, q, sw, A, B, none, mode="w8a16")
+    assert not any(kw.get("USE_PDL") or kw.get("launch_pdl") for _, _, _, kw in rec)
+    assert dispatch.report()["lora_gemm.launch"] == {"stream": 2}
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+def test_interpreter_runs_stream_order_with_unchanged_outputs(mode):
+    """Under the interpreter auto resolves to stream order (recorded) and pdl=on raises; the projection's
+    output equals the launchers called without PDL, bit for bit, and the fp64 math."""
+    x, q, sw, A, B, slots, meta = _problem()
+    with dispatch.use_backend("triton"):
+        y_auto = fp8_lora_linear(x, q, sw, A, B, meta, mode=mode, out_dtype=torch.float32)
+        knobs.set_knobs(pdl="off")
+        y_off = fp8_lora_linear(x, q, sw, A, B, meta, mode=mode, out_dtype=torch.float32)
+        knobs.set_knobs(pdl="on")
+        with pytest.raises(RuntimeError, match="pdl=on .* interpreter"):
+            fp8_lora_linear(x, q, sw, A, B, meta, mode=mode)
+    assert dispatch.report()["lora_gemm.launch"] == {"stream": 2}
+    so = lora_shrink_triton(x, A, meta, quant="div" if mode == "w8a8" else None)
+    assert so.workspace is not None                          # split-K K1: its workspace is handed back
+    xk, xs = (so.x_q, so.x_scale) if mode == "w8a8" else (x, None)
+    y_direct = lora_gemm_triton(xk, q, sw, x_scale=xs, h=so.h, B=B, meta=meta, out_dtype=torch.float32)
+    assert torch.equal(y_auto, y_off) and torch.equal(y_auto, y_direct)
+    xr, xsr = fp8.quantize_activation_ref(x) if mode == "w8a8" else (x, None)
+    h = torch.stack([torch.einsum("tk,trk->tr", x.double(), a[slots.clamp(min=0)].double()) for a in A])
+    ref = gemm_fp64(xr, q, sw, x_scale=xsr, h=h, B=B, slots=slots)
+    assert rel_err(y_auto, ref) < 1e-5
+
+
+def test_timeline_benchmark_imports_and_derives_the_verdict():
+    """bench/pdl_timeline.py: --help runs without a GPU; the exposed K1 and the issue's hiding condition come
+    out of the stamps as documented."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, "bench/pdl_timeline.py", "--help"], cwd=root, capture_output=True, text=True)
+    assert p.returncode == 0 and "--out" in p.stdout, p.stderr
+    sys.path.insert(0, str(root / "bench"))
+    import pdl_timeline as bench
+    row = bench.derive(dict(pdl_pair_us=12.0, stream_k2_us=10.5, pdl_k1_us=6.0, pdl_k2_offset_us=1.5,
+                            stream_prog0_mainloop_us=4.0))
+    assert row["exposed_k1_us"] == 1.5 and row["k1_left_after_k2_start_us"] == 4.5
+    assert row["hidden_condition"] is False                    # 4 us of main loop < 4.5 us of K1 left
+    from rlfp8.kernels.timeline import SLOT_NAMES
+    stamps = {n: 1000 * i for i, n in enumerate(SLOT_NAMES, start=1)}
+    d = bench._durations(stamps, "pdl")
+    assert d["k1_us"] == 1.0 and d["pair_us"] == 6.0 and d["prog0_wait_us"] == 1.0
+    stamps["k2_wait_enter"] = stamps["k2_wait_exit"] = bench._UNSET      # the stream arm: no wait stamped
+    assert bench._durations(stamps, "pdl")["prog0_wait_us"] is None
