@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 BACKENDS = ("auto", "triton", "torch")
 W8A16_WIDENINGS = ("bits", "cvt")
+BATCH_INVARIANT = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,10 @@ class KernelKnobs:
     fp8_precise_acc: int | None = None
     # which tuned GEMM table (rlfp8/kernels/tuned/<slug>.json) to read; None = the current GPU's name
     tuned_gpu: str | None = None
+    # K1/K2 launch configs whose reductions over K follow one schedule per weight shape, whatever the token
+    # count (gemm_configs.reduction_schedule): "auto" = for the W8A16 calls (the matched engine and the FP8
+    # trainer's forward), "on" = W8A8 too, "off" = the tuned per-token-count configs everywhere
+    batch_invariant: str = "auto"
 
 
 # environment variable -> knob; the only place in rlfp8.kernels that reads RLFP8_* variables
@@ -48,10 +53,11 @@ ENV_VARS = {
     "RLFP8_W8A16_WIDEN": "w8a16_widen",
     "RLFP8_FP8_PRECISE_ACC": "fp8_precise_acc",
     "RLFP8_TUNED_GPU": "tuned_gpu",
+    "RLFP8_BATCH_INVARIANT": "batch_invariant",
 }
 ENV_VARS_BY_KNOB = {knob: var for var, knob in ENV_VARS.items()}
 _NAMES = tuple(f.name for f in dataclasses.fields(KernelKnobs))
-_CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS}
+_CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "batch_invariant": BATCH_INVARIANT}
 _FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red")
 
 
