@@ -3,7 +3,8 @@
 rlfp8/kernels/gemm_configs.py) against the tuned per-token-count configs, for the Qwen3-8B projections (qkv
 4096->6144, o 4096->4096, gate_up 4096->24576, down 12288->4096; rank 64) at M = 1, 8, 64, 256, 1024, 4096.
 
-Per projection and M, both arms (knob off = tuned, on = invariant):
+Per projection and M, three arms (knob off = tuned, on = invariant; free_bk = invariant with each bucket's
+fastest measured BLOCK_K, a probe of whether BLOCK_K must be pinned: _free_bk_config):
   * time: the engine's projection (fp8_lora_linear: K1 + K2, vLLM-style metadata, 4 stacked slots, every
     token on slot 0), CUDA graphs replayed in turn with L2 flushed (bench/kernels.py Timer), median of --reps;
     at M >= 1024 also the trainer's forward (lora_linear: meta=None, one adapter; > 512 tokens may take the
@@ -31,14 +32,29 @@ import torch  # noqa: E402
 import kernels as kb  # noqa: E402  (bench/kernels.py: Timer, PROJ)
 from rlfp8.kernels import build_lora_meta, dispatch, fp8_lora_linear  # noqa: E402
 from rlfp8.kernels.fp8_triton import quantize_weight_triton  # noqa: E402
-from rlfp8.kernels.gemm_configs import gemm_config, invariant_gemm_config  # noqa: E402
+from rlfp8.kernels import gemm_triton  # noqa: E402
+from rlfp8.kernels.gemm_configs import (GemmConfig, config_key, gemm_config, invariant_gemm_config,  # noqa: E402
+                                        reduction_schedule, tuned_table_path)
 from rlfp8.kernels.knobs import restore_knobs, set_knobs  # noqa: E402
 from rlfp8.kernels.linear import lora_linear  # noqa: E402
 
 DEV = "cuda"
 MS = (1, 8, 64, 256, 1024, 4096)
 RANK, SLOTS, T_MAX = 64, 4, 4096
-ARMS = {"tuned": "off", "invariant": "on"}
+ARMS = {"tuned": "off", "invariant": "on", "free_bk": "on"}
+
+
+def _free_bk_config(mode, M, N, K, device=None):
+    """Arm free_bk, a probe of one assumption: the invariant schedule's SPLIT_K and swap-AB, but each bucket's
+    fastest measured BLOCK_K (the tuner's candidates). If its rows never change with M, BLOCK_K only regroups
+    the k16 MMA steps (k_per stays a multiple of it) and need not be pinned."""
+    sched, path, best = reduction_schedule(mode, N, K), tuned_table_path(device), None
+    table = json.loads(path.read_text()) if path.exists() else {}
+    for cand in table.get("candidates", {}).get(config_key(mode, M, N, K), []):
+        cfg = GemmConfig(*cand["config"])
+        if "us" in cand and cfg.split_k == sched.split_k and cfg.swap_ab and (best is None or cand["us"] < best[0]):
+            best = (cand["us"], cfg)
+    return best[1] if best else invariant_gemm_config(mode, M, N, K, device)
 
 
 def _layer(name, g):
@@ -69,23 +85,27 @@ def _trainer(p, m):
     return torch.cat(outs, dim=1)
 
 
-def _with_knob(setting, fn):
+def _with_knob(arm, fn):
+    """fn run with the arm's knob (and, for free_bk, its config chooser in place of the invariant one)."""
     def run():
-        saved = set_knobs(batch_invariant=setting)
+        saved = set_knobs(batch_invariant=ARMS[arm])
+        if arm == "free_bk":
+            gemm_triton.invariant_gemm_config = _free_bk_config
         try:
             return fn()
         finally:
             restore_knobs(saved)
+            gemm_triton.invariant_gemm_config = invariant_gemm_config
     return run
 
 
-def _bits(p, setting) -> dict:
+def _bits(p, arm) -> dict:
     """{M: (rows differing from the 4096-row batch, trainer-slot rows differing from the trainer's forward)}."""
     with torch.no_grad():
-        y = {m: _with_knob(setting, lambda m=m: fp8_lora_linear(p["x"][:m], p["q"], p["sw"], p["A"], p["B"],
+        y = {m: _with_knob(arm, lambda m=m: fp8_lora_linear(p["x"][:m], p["q"], p["sw"], p["A"], p["B"],
                                                                 build_lora_meta(_mixed_slots(m), SLOTS)))()
              for m in MS}
-        y_tr = _with_knob(setting, lambda: _trainer(p, T_MAX))()
+        y_tr = _with_knob(arm, lambda: _trainer(p, T_MAX))()
     full, out = y[T_MAX], {}
     for m in MS:
         mine = _mixed_slots(m) == 0
@@ -98,18 +118,19 @@ def _times(p, m, timer) -> dict:
     """{arm: µs} of the engine's projection (and the trainer's forward at >= 1024 tokens), arms paired."""
     meta = build_lora_meta(torch.zeros(m, dtype=torch.int32, device=DEV), SLOTS)
     x = p["x"][:m]
-    engine = [_with_knob(s, lambda: fp8_lora_linear(x, p["q"], p["sw"], p["A"], p["B"], meta)) for s in ARMS.values()]
+    engine = [_with_knob(a, lambda: fp8_lora_linear(x, p["q"], p["sw"], p["A"], p["B"], meta)) for a in ARMS]
     res = dict(zip((f"engine_{a}_us" for a in ARMS), timer.paired_us(engine)))
     if m >= 1024:
-        trainer = [_with_knob(s, lambda: _trainer(p, m)) for s in ARMS.values()]
+        trainer = [_with_knob(a, lambda: _trainer(p, m)) for a in ARMS]
         res.update(zip((f"trainer_{a}_us" for a in ARMS), timer.paired_us(trainer)))
     return {k: round(v, 2) for k, v in res.items()}
 
 
 def _configs(p, m) -> dict:
     K, N = p["x"].shape[1], p["q"].shape[0]
-    c_t, c_i = gemm_config("w8a16", m, N, K, DEV), invariant_gemm_config("w8a16", m, N, K, DEV)
-    return {"tuned": [c_t.split_k, c_t.block_k, c_t.swap_ab], "invariant": [c_i.split_k, c_i.block_k, c_i.swap_ab]}
+    cfgs = {"tuned": gemm_config("w8a16", m, N, K, DEV), "invariant": invariant_gemm_config("w8a16", m, N, K, DEV),
+            "free_bk": _free_bk_config("w8a16", m, N, K, DEV)}
+    return {arm: [c.split_k, c.block_k, c.swap_ab] for arm, c in cfgs.items()}
 
 
 def main() -> int:
@@ -123,12 +144,13 @@ def main() -> int:
     rows = []
     for name in args.proj:
         p = _layer(name, g)
-        bits = {arm: _bits(p, s) for arm, s in ARMS.items()}
+        bits = {arm: _bits(p, arm) for arm in ARMS}
         for m in MS:
             row = dict(proj=name, M=m, schedule_split_bk_swap=_configs(p, m), **_times(p, m, timer),
                        **{f"{arm}_rows_differing_across_M": bits[arm][m][0] for arm in ARMS},
                        **{f"{arm}_engine_vs_trainer_rows_differing": bits[arm][m][1] for arm in ARMS})
-            row["invariant_over_tuned"] = round(row["engine_invariant_us"] / row["engine_tuned_us"], 3)
+            for arm in ("invariant", "free_bk"):
+                row[f"{arm}_over_tuned"] = round(row[f"engine_{arm}_us"] / row[f"engine_tuned_us"], 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
     ok = all(r["invariant_rows_differing_across_M"] == 0 and r["invariant_engine_vs_trainer_rows_differing"] == 0
