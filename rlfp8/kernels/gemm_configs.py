@@ -5,20 +5,35 @@ weights, so the q/k/v row views of a fused qkv (and o_proj) get the same split a
 result does not depend on the view. A tuned table (rlfp8/kernels/tuned/<gpu>.json, written by
 bench/kernels.py --tune) overrides the heuristics; the knob `tuned_gpu` picks another GPU's table.
 Same (T, mode, K, N class) => same config => same arithmetic order for a row (the matched property).
+
+Batch invariance (knob `batch_invariant`, default auto = the W8A16 calls): vLLM cuts the same rows into
+chunks of any size (decode 1..16, prefill chunks), so the order of the additions over K must not depend on
+T. `invariant_gemm_config` keeps one ReductionSchedule per (mode, K, N class) at every T:
+  * SPLIT_K and BLOCK_K fixed: the shares' boundaries (whole BLOCK_K chunks) and the split-order sum of the
+    fp32 partials are then fixed (the last-program and the distributed reduction add in the same order);
+  * swap_ab fixed (True): every MMA is a wgmma with the widened weight rows as its A operand and k16 steps
+    issued in k order into one accumulator, so no T switches to tokens-as-A or to mma.sync (below 64
+    tokens the other orientation runs on mma.sync: another instruction, not provably the same sums);
+  * free with T: BLOCK_M / BLOCK_N / GROUP_M (which tile a row lands in, not how its sum is formed),
+    warps, stages, TMA and the widening variant (exact conversions).
+The epilogue's h·Bᵀ sums over the rank in BLOCK_R = next_pow2(r) with two fixed 16-bit MMAs, and the
+shrink (K1) pins its own schedule (shrink_triton.invariant_shrink_config). Costs: bench/lab/invariant_configs.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from ._triton_utils import cdiv
+from ._triton_utils import cdiv, next_pow2
 from .knobs import knobs
 
-__all__ = ["GemmConfig", "M_BUCKETS", "NUM_SMS_HINT", "WIDENINGS", "config_key", "gemm_config", "m_bucket",
-           "n_class", "reload_tuned_table", "tuned_table_path"]
+__all__ = ["GLUON_SCHEDULE", "GemmConfig", "INVARIANT_SCHEDULES", "M_BUCKETS", "NUM_SMS_HINT", "WIDENINGS",
+           "ReductionSchedule", "batch_invariant", "config_key", "gemm_config", "invariant_gemm_config", "m_bucket",
+           "n_class", "reduction_schedule", "reload_tuned_table", "schedule_of", "tuned_table_path"]
 
 # How W8A16 widens e4m3 weight tiles to bf16, per config (GemmConfig.widen; the PTX is in widen.py): all exact,
 # so all give the same bits; the interpreter always takes "cvt" (it cannot run inline PTX).
@@ -110,6 +125,7 @@ def _tuned_table(device) -> dict:
 def reload_tuned_table() -> None:
     global _tuned
     _tuned = None
+    _invariant.clear()
 
 
 def config_key(mode: str, M: int, N: int, K: int, transposed: bool = False) -> str:
@@ -124,3 +140,78 @@ def gemm_config(mode: str, M: int, N: int, K: int, device=None, transposed: bool
         if entry is not None:
             return GemmConfig(**entry)
     return _heuristic(mode, M, N, K)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# batch invariance (module docstring)
+@dataclass(frozen=True)
+class ReductionSchedule:
+    """How K2 sums over K: SPLIT_K contiguous shares of whole BLOCK_K chunks, each share summed in k order
+    from zero, the shares' fp32 partials then added in split order."""
+    split_k: int
+    block_k: int
+
+
+# per N class: narrow weights (qkv, o, down: <= 64 weight tiles of 64 rows at decode) need a split to fill
+# the SMs at decode (split 2 measured within 3% of the tuned split 4 at 16 tokens, and it halves the
+# partials' traffic at large T); wide ones (gate_up) do not, and BLOCK_K 64 is the Gluon main loop's, so
+# that loop stays admissible for the trainer's > 512-token calls
+INVARIANT_SCHEDULES = {"narrow": ReductionSchedule(2, 128), "wide": ReductionSchedule(1, 64)}
+GLUON_SCHEDULE = ReductionSchedule(1, 64)      # lora_gemm_rs: no split, BK 64 (gemm_rs.BK)
+SMEM_BYTES = 200 * 1024                        # shared memory a config's stages may take (sm_90: 227 KiB)
+
+
+def batch_invariant(mode: str, transposed: bool = False) -> bool:
+    """Does this K2/K1 call take the invariant schedule? (knob batch_invariant; the backward's dx GEMM on the
+    transposed codes matches nothing on the engine side, so it keeps the tuned configs)."""
+    setting = knobs().batch_invariant
+    return not transposed and (setting == "on" or (setting == "auto" and mode == "w8a16"))
+
+
+def reduction_schedule(mode: str, N: int, K: int) -> ReductionSchedule:
+    """The schedule of every call on a weight of this shape: a function of (N class, K) only."""
+    want = INVARIANT_SCHEDULES[n_class(N)]
+    block_k = max(16, min(want.block_k, next_pow2(K)))
+    return ReductionSchedule(max(1, min(want.split_k, K // (2 * block_k))), block_k)
+
+
+def schedule_of(cfg: GemmConfig) -> ReductionSchedule:
+    return ReductionSchedule(cfg.split_k, cfg.block_k)
+
+
+def _measured_candidate(mode: str, M: int, N: int, K: int, sched: ReductionSchedule, device) -> GemmConfig | None:
+    """The tuner's fastest measured config for this bucket with the schedule and swap_ab (tuned table's
+    "candidates"), or None."""
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    p = tuned_table_path(device)
+    if not p.exists():
+        return None
+    best = None
+    for cand in json.loads(p.read_text()).get("candidates", {}).get(config_key(mode, M, N, K), []):
+        if "us" not in cand:
+            continue
+        cfg = GemmConfig(*cand["config"])
+        if schedule_of(cfg) == sched and cfg.swap_ab and (best is None or cand["us"] < best[0]):
+            best = (cand["us"], cfg)
+    return None if best is None else best[1]
+
+
+def invariant_gemm_config(mode: str, M: int, N: int, K: int, device=None) -> GemmConfig:
+    """K2's config in invariant mode: the tiles along T and N of the bucket's measured (else tuned or
+    heuristic) config, with the shape's ReductionSchedule and swap_ab."""
+    sched = reduction_schedule(mode, N, K)
+    key = (mode, m_bucket(M), n_class(N), K, str(device), knobs().tuned_gpu)     # what the choice reads
+    if key not in _invariant:
+        cfg = _measured_candidate(mode, M, N, K, sched, device)
+        if cfg is None:
+            base = gemm_config(mode, M, N, K, device)
+            x_bytes = 1 if mode == "w8a8" else 2
+            stage_bytes = (base.block_n + base.block_m * x_bytes) * sched.block_k
+            cfg = dataclasses.replace(base, split_k=sched.split_k, block_k=sched.block_k, swap_ab=True,
+                                      num_stages=max(1, min(base.num_stages, SMEM_BYTES // stage_bytes)))
+        _invariant[key] = cfg
+    return _invariant[key]
+
+
+_invariant: dict = {}

@@ -60,7 +60,9 @@ Kernel strategy (Hopper):
     (and o_proj) get the same split as the fused call: a row's result does not depend on the view.
 
 Same (T, mode, K, N class) => same arithmetic order for a row, whatever else is in the batch: the matched
-property (engine W8A16 call and trainer forward bit-identical on the same rows) rests on this.
+property (engine W8A16 call and trainer forward bit-identical on the same rows) rests on this. With the knob
+batch_invariant (default auto: W8A16) the order does not depend on T either: one ReductionSchedule per
+weight shape (gemm_configs.invariant_gemm_config), so vLLM's chunks of any size match the trainer's batch.
 """
 from __future__ import annotations
 
@@ -71,7 +73,8 @@ import triton.language as tl
 from . import dispatch
 from ._triton_utils import (cdiv, check_pdl, check_tensor, launch, next_pow2, require_triton_device,
                             split_counters)
-from .gemm_configs import M_BUCKETS, WIDENINGS, GemmConfig, gemm_config, m_bucket
+from .gemm_configs import (GLUON_SCHEDULE, M_BUCKETS, WIDENINGS, GemmConfig, batch_invariant, gemm_config,
+                           invariant_gemm_config, m_bucket, schedule_of)
 from .knobs import knobs
 from .gemm_ref import check_lora_gemm_args
 from .metadata import LoRAMeta
@@ -455,14 +458,23 @@ def _output(x, mode, M, N, out_dtype, out):
     return out
 
 
-def _pick_config(config, mode, M, N, K, q, dev) -> GemmConfig:
+def _pick_config(config, mode, M, N, K, q, dev) -> tuple[GemmConfig, bool]:
+    """(config, invariant): the caller's config, else the batch-invariant one (knob batch_invariant), else the
+    tuned one; dispatch records "lora_gemm.schedule" = explicit | batch_invariant | tuned."""
     # a transposed view of the codes (the backward's qᵀ, strides (1, N)) has its own tuned entries
-    cfg = config or gemm_config(mode, M, N, K, dev, transposed=q.stride(1) != 1 and q.stride(0) == 1)
+    transposed = q.stride(1) != 1 and q.stride(0) == 1
+    invariant = config is None and batch_invariant(mode, transposed)
+    dispatch.record(f"{OP}.schedule", "explicit" if config is not None else "batch_invariant" if invariant
+                    else "tuned")
+    if invariant:
+        cfg = invariant_gemm_config(mode, M, N, K, dev)
+    else:
+        cfg = config or gemm_config(mode, M, N, K, dev, transposed=transposed)
     if cfg.block_m < 16 or cfg.block_n < 16 or cfg.block_k < 16:
         raise ValueError(f"rlfp8.kernels.{OP}: tile dims must be >= 16 (tl.dot), got {cfg}")
     if cfg.widen not in WIDENINGS:
         raise ValueError(f"rlfp8.kernels.{OP}: config widen must be one of {WIDENINGS}, got {cfg}")
-    return cfg
+    return cfg, invariant
 
 
 def _split_k_buffers(cfg, m_tiles, n_tiles, dist_red, out):
@@ -571,10 +583,14 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = _pick_config(config, mode, M, N, K, q, x.device)
+    cfg, invariant = _pick_config(config, mode, M, N, K, q, x.device)
     has_lora = slices is not None and not (meta is not None and meta.no_lora)
     gather = (meta is not None and has_lora) if gather is None else (gather and meta is not None)
-    if mode == "w8a16" and config is None and m_bucket(M) == M_BUCKETS[-1] and not dispatch.triton_interpreting():
+    big_w8a16 = (mode == "w8a16" and config is None and m_bucket(M) == M_BUCKETS[-1]
+                 and not dispatch.triton_interpreting())
+    if big_w8a16 and invariant and schedule_of(cfg) != GLUON_SCHEDULE:
+        dispatch.record(f"{OP}.mainloop", "triton")     # the Gluon loop sums over K in another schedule
+    elif big_w8a16:
         y = _gluon_mainloop(x, q, w_scale, h, B, slices, has_lora, gather, g, bias, lora_precision, use_pdl, out)
         if y is not None:
             return y

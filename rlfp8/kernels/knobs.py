@@ -15,6 +15,7 @@ from dataclasses import dataclass
 BACKENDS = ("auto", "triton", "torch")
 W8A16_WIDENINGS = ("bits", "cvt")
 PDL_MODES = ("auto", "on", "off")
+BATCH_INVARIANT = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,10 @@ class KernelKnobs:
     # overlapping K1 (same bits). auto = where the GPU is sm_90+ and Triton has gdc_*; on = require it
     # (error elsewhere); off = plain stream order. dispatch records "lora_gemm.launch" = pdl | stream
     pdl: str = "auto"
+    # K1/K2 launch configs whose reductions over K follow one schedule per weight shape, whatever the token
+    # count (gemm_configs.reduction_schedule): "auto" = for the W8A16 calls (the matched engine and the FP8
+    # trainer's forward), "on" = W8A8 too, "off" = the tuned per-token-count configs everywhere
+    batch_invariant: str = "auto"
 
 
 # environment variable -> knob; the only place in rlfp8.kernels that reads RLFP8_* variables
@@ -54,10 +59,11 @@ ENV_VARS = {
     "RLFP8_FP8_PRECISE_ACC": "fp8_precise_acc",
     "RLFP8_TUNED_GPU": "tuned_gpu",
     "RLFP8_PDL": "pdl",
+    "RLFP8_BATCH_INVARIANT": "batch_invariant",
 }
 ENV_VARS_BY_KNOB = {knob: var for var, knob in ENV_VARS.items()}
 _NAMES = tuple(f.name for f in dataclasses.fields(KernelKnobs))
-_CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "pdl": PDL_MODES}
+_CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "pdl": PDL_MODES, "batch_invariant": BATCH_INVARIANT}
 _FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red")
 
 

@@ -22,7 +22,8 @@ Triton kernel, one 1-D launch of two kinds of programs:
 
 Config (BLOCK_M, BLOCK_K, SPLIT_K) depends on (T, K, r) only (SPLIT_K on (T, K)), never on the adapter
 count or the slices, so a row's h does not depend on which other adapters share the batch or on the rank
-padding of the engine's slots.
+padding of the engine's slots. With the knob batch_invariant (default auto: the W8A16 calls) it does not
+depend on T either (invariant_shrink_config), so vLLM's chunks of any size give the trainer's h.
 """
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
+from . import dispatch
 from ._triton_utils import cdiv, check_pdl, launch, next_pow2, require_triton_device, split_counters
 from .fp8_ref import FP8_DTYPE
+from .gemm_configs import batch_invariant
 from .fp8_triton import ROUNDING_CODE, _quant_config, _quant_rows_tile, quantize_rows_triton
 from .shrink_ref import ShrinkOut, a_slices, check_lora_shrink_args
 from .metadata import LoRAMeta
@@ -76,6 +79,26 @@ def shrink_config(M: int, K: int, r: int) -> ShrinkConfig:
     while stages > 1 and stages * (bm + br) * bk * 2 > 100 * 1024:
         stages -= 1
     return ShrinkConfig(bm, bk, split, num_warps=4, num_stages=stages)
+
+
+def invariant_shrink_config(K: int, r: int) -> ShrinkConfig:
+    """K1's config in batch-invariant mode (knob batch_invariant): shrink_config's decode choice at every T,
+    a function of (K, r) only. BLOCK_K and SPLIT_K (so the shares' boundaries and their split-order sum) are
+    then fixed, and so is BLOCK_M = 16, which keeps every T on the same MMA instruction (16-row tiles run on
+    mma.sync; 64-row ones would take wgmma). At large T that costs more programs (an 8192-token step: 512
+    row tiles x SPLIT_K), which the shrink, ~1/64 of K2's work at rank 64, absorbs (bench/lab/invariant_configs.py)."""
+    return shrink_config(1, K, r)
+
+
+def _pick_shrink_config(config, M: int, K: int, r: int, quant) -> ShrinkConfig:
+    """The caller's config, else the invariant one (W8A16 = quant None, as gemm_configs.batch_invariant), else
+    the per-T heuristic; dispatch records "lora_shrink.schedule"."""
+    invariant = config is None and batch_invariant("w8a16" if quant is None else "w8a8")
+    dispatch.record(f"{OP}.schedule", "explicit" if config is not None else "batch_invariant" if invariant
+                    else "tuned")
+    if config is not None:
+        return config
+    return invariant_shrink_config(K, r) if invariant else shrink_config(M, K, r)
 
 
 @triton.jit
@@ -218,7 +241,7 @@ def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: 
             xq, s = quantize_rows_triton(x, quant, OP)
             xs = s[:, None]
         return ShrinkOut(h, xq, xs)
-    cfg = config or shrink_config(M, K, r)
+    cfg = _pick_shrink_config(config, M, K, r, quant)
     br = max(16, next_pow2(r))
     m_tiles = cdiv(M, cfg.block_m)
     n_seg = 1 if meta is None else max(meta.num_active, 1)

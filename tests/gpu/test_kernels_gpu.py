@@ -547,8 +547,17 @@ RS_CASES = [("qkv", 1000, 64, True), ("o", 4096, 16, False), ("gate_up", 2048, 6
             ("o", 600, 0, True)]
 
 
+@pytest.fixture
+def tuned_configs():
+    """The tuned per-token-count configs (knob batch_invariant=off): with the default (auto) the narrow shapes'
+    split-K schedule keeps their W8A16 calls off the Gluon loop."""
+    saved = set_knobs(batch_invariant="off")
+    yield
+    restore_knobs(saved)
+
+
 @pytest.mark.parametrize("shape,M,r,bias", RS_CASES, ids=[f"{c[0]}-M{c[1]}-r{c[2]}" for c in RS_CASES])
-def test_gluon_rs_bits_equal_triton_kernel(shape, M, r, bias):
+def test_gluon_rs_bits_equal_triton_kernel(shape, M, r, bias, tuned_configs):
     """Above 512 tokens, W8A16 calls without metadata (the trainer's forward and dx GEMMs, long prefills) run
     lora_gemm_rs; its output must be bit-identical to the Triton kernel's (same MMAs in the same order, same
     epilogue) for the forward (scale, LoRA, bias) and for the dx GEMM (transposed codes, LoRA, no scale), and

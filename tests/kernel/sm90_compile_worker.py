@@ -27,7 +27,8 @@ from rlfp8.kernels.dora_triton import col_dot_triton, norm_pieces_triton  # noqa
 from rlfp8.kernels import _triton_utils as tu  # noqa: E402
 from rlfp8.kernels.fp8_triton import quantize_activation_triton, quantize_weight_triton  # noqa: E402
 from rlfp8.kernels.linear_triton import dy_prep_triton  # noqa: E402
-from rlfp8.kernels.gemm_configs import M_BUCKETS, GemmConfig, _tuned_table, gemm_config  # noqa: E402
+from rlfp8.kernels.gemm_configs import (GLUON_SCHEDULE, M_BUCKETS, GemmConfig, _measured_candidate,  # noqa: E402
+                                        _tuned_table, gemm_config, invariant_gemm_config, reduction_schedule)
 from rlfp8.kernels.gemm_triton import lora_gemm_triton  # noqa: E402
 from rlfp8.kernels.shrink_triton import lora_shrink_triton  # noqa: E402
 from rlfp8.kernels.metadata import build_lora_meta  # noqa: E402
@@ -52,6 +53,7 @@ def collect() -> list:
         _tma_orientation_and_widening_launches()
         _rank_and_pdl_launches()
         _tuned_table_launches()
+        _invariant_launches()
     rec.extend(_gluon_launches())
     return _distinct(rec)
 
@@ -172,6 +174,25 @@ def _tuned_table_launches(S: int = 4, r: int = 64) -> None:
         lora_gemm_triton(xx, _e(N, K, dtype=FP8), torch.empty(N), x_scale=torch.empty(M, 1) if mode == "w8a8"
                          else None, h=torch.empty(1, M, r), B=_e(S, N, r),
                          meta=build_lora_meta(torch.arange(M) % S, S), config=GemmConfig(**entry))
+
+
+def _invariant_launches(S: int = 4, r: int = 64) -> None:
+    """K2 with the batch-invariant configs an H200 picks (invariant_gemm_config on device "cuda") that no tuner
+    measured (its candidates compiled): engine-style at those buckets, and the trainer's 8192-token forward
+    where the Gluon loop cannot take the shape's schedule."""
+    for K, widths in SHAPES.values():
+        N = sum(widths)
+        q, sw = _e(N, K, dtype=FP8), torch.empty(N)
+        B = [_e(S, n, r) for n in widths]
+        sched = reduction_schedule("w8a16", N, K)
+        for M in M_REPS:
+            if _measured_candidate("w8a16", M, N, K, sched, "cuda") is None:
+                meta = build_lora_meta(torch.arange(M) % (S + 1) - 1, S)
+                cfg = invariant_gemm_config("w8a16", M, N, K, "cuda")
+                lora_gemm_triton(_e(M, K), q, sw, h=torch.empty(len(widths), M, r), B=B, meta=meta, config=cfg)
+        if sched != GLUON_SCHEDULE:
+            lora_gemm_triton(_e(8192, K), q, sw, h=torch.empty(1, 8192, r), B=_e(1, N, r),
+                             config=invariant_gemm_config("w8a16", 8192, N, K, "cuda"))
 
 
 def _gluon_launches() -> list:

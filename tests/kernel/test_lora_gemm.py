@@ -119,7 +119,7 @@ def test_dispatch_and_errors(device):
     with dispatch.use_backend("triton"):
         lora_gemm(p["x"], p["q"], p["sw"], config=SMALL)
     lora_gemm(p["x"].cpu(), p["q"].cpu(), p["sw"].cpu())     # auto on CPU tensors: reference
-    assert dispatch.report() == {"lora_gemm": {"triton": 1, "torch": 1}}
+    assert dispatch.report() == {"lora_gemm": {"triton": 1, "torch": 1}, "lora_gemm.schedule": {"explicit": 1}}
     x, q, sw = p["x"], p["q"], p["sw"]
     with pytest.raises(ValueError, match=r"q \(64, 64\) must be \[N, K\] with K = x.shape\[1\] = 32"):
         lora_gemm_triton(x[:, :32], q, sw)

@@ -88,7 +88,8 @@ def test_dispatch_and_errors(device):
         lora_shrink(x, A, meta)
     with dispatch.use_backend("torch"):
         lora_shrink(x, A, meta)
-    assert dispatch.report() == {"lora_shrink": {"triton": 1, "torch": 1}}
+    assert dispatch.report() == {"lora_shrink": {"triton": 1, "torch": 1},
+                                 "lora_shrink.schedule": {"batch_invariant": 1}}      # W8A16 (knob auto)
     with pytest.raises(ValueError, match=r"A\[0\] has last dim 32, expected 64"):
         lora_shrink_triton(x, torch.zeros(2, 16, 32, dtype=torch.bfloat16, device=device), meta)
     with pytest.raises(ValueError, match=r"metadata covers 8 tokens .* x has 7 rows"):
