@@ -2,7 +2,7 @@
 (TrainerInterface); the actor only sets up its process first."""
 from __future__ import annotations
 
-from rlfp8.kernels.knobs import apply_config
+from rlfp8.kernels.knobs import apply_config, knobs, set_knobs
 from rlfp8.process import setup_actor_process
 
 from .core import PolicyTrainer
@@ -14,6 +14,8 @@ class TrainerActor(PolicyTrainer):
                  weight_handles: dict | None = None):
         setup_actor_process(num_threads, quiet_vllm=False)
         apply_config(cfg["kernels"])          # the kernels.* knobs of the config, in this process
+        if knobs().batch_invariant == "auto" and cfg["engine"]["precision"] != "w8a16":
+            set_knobs(batch_invariant="off")     # no matched engine to agree with: the tuned (faster) configs
         super().__init__(model_path, cfg, weight_source=weight_source, weight_handles=weight_handles)
 
     def rendezvous_address(self) -> tuple[str, int]:

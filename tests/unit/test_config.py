@@ -328,3 +328,17 @@ def test_saved_config_gains_new_section_keys():
     del saved["ray"]["num_pairs"]                     # a run saved before the key existed
     merged = config.with_new_defaults(saved)
     assert merged["ray"]["num_pairs"] == 1 and merged["model"] == saved["model"]
+
+
+@pytest.mark.parametrize("precision, expected", [("w8a16", "auto"), ("w8a8", "off"), ("bf16", "off")])
+def test_trainer_keeps_batch_invariant_schedules_only_for_the_matched_engine(monkeypatch, precision, expected):
+    from rlfp8.kernels import knobs
+    from rlfp8.trainer import actor as trainer_actor
+    saved = knobs.knobs()
+    monkeypatch.setattr(trainer_actor, "setup_actor_process", lambda *a, **k: None)
+    monkeypatch.setattr(trainer_actor.PolicyTrainer, "__init__", lambda self, *a, **k: None)
+    try:
+        trainer_actor.TrainerActor("m", {"kernels": {}, "engine": {"precision": precision}}, "quantize", 1)
+        assert knobs.knobs().batch_invariant == expected
+    finally:
+        knobs.restore_knobs(saved)
