@@ -76,6 +76,27 @@ learn)     # RUNS="name:ov,ov name:ov" quickstart learning runs, LEARN_PARALLEL 
         cp "$d/kernels.json" "$OUT/learn/$n.kernels.json" 2>/dev/null; done
     for f in /tmp/learn/*.log; do tail -c 6000 "$f" > "$OUT/learn/$(basename "$f")"; done
     ;;
+round_kernels)   # one call: kernel-level GPU tests, then the PDL timeline, the invariant configs, DoRA
+    mkdir -p "$OUT/r"
+    timeout 230 $PY -m pytest tests/gpu/test_kernels_gpu.py tests/gpu/test_pdl_gpu.py tests/gpu/test_dora_gpu.py \
+        "tests/gpu/test_plugin_gpu.py::test_matched_engine_equals_trainer_on_a_layer_stack" -m gpu -q -rs --timeout 220 \
+        > "$OUT/gpu_kernel_tests.log" 2>&1; echo "kernel tests rc=$?"; tail -15 "$OUT/gpu_kernel_tests.log"
+    timeout 150 $PY bench/pdl_timeline.py --out "$OUT/r/pdl_timeline_h200.json" > "$OUT/pdl_timeline.log" 2>&1
+    echo "pdl_timeline rc=$?"; tail -30 "$OUT/pdl_timeline.log"
+    timeout 130 $PY bench/lab/invariant_configs.py --out "$OUT/r/invariant_configs_h200.json" > "$OUT/invariant.log" 2>&1
+    echo "invariant_configs rc=$?"; tail -30 "$OUT/invariant.log"
+    timeout 60 $PY bench/dora.py --ranks 384 --rounds 10 --out "$OUT/r/dora_h200.json" > "$OUT/dora.log" 2>&1
+    echo "dora rc=$?"; tail -15 "$OUT/dora.log"
+    ;;
+round_engine)    # one call: quickstart learning runs (background, small KV) beside the engine-level GPU tests
+    mkdir -p "$OUT/r"
+    RUNS="${RUNS:-}" LEARN_PARALLEL=${LEARN_PARALLEL:-3} RUN_TIMEOUT=${RUN_TIMEOUT:-480} bash "$0" learn > "$OUT/learn.log" 2>&1 &
+    learn=$!
+    timeout 420 $PY -m pytest tests/gpu/test_one_copy_gpu.py tests/gpu/test_plugin_gpu.py tests/gpu/test_diagnose_gpu.py \
+        -m gpu -q -rs --timeout 400 -k "not matched" > "$OUT/gpu_engine_tests.log" 2>&1; echo "engine tests rc=$?"
+    tail -25 "$OUT/gpu_engine_tests.log"
+    wait $learn; cat "$OUT/learn.log"
+    ;;
 *)
     echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn [--run NAME:overrides ...]"; exit 2 ;;
 esac
