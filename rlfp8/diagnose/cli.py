@@ -220,8 +220,8 @@ def held_out_prompts(cfg: dict, model_path: str) -> list[list[int]]:
 
 
 def score_trainers(model_path: str, trainers: dict, samples, cfg: dict):
-    """Every trainer arm (padded batch); the bf16 arm (else the first) once more one sequence at a time: the
-    HF/HF floor. Each trainer is freed before the next starts."""
+    """Every trainer arm (padded batch); the bf16 arm once more one sequence at a time: the HF/HF floor.
+    Each trainer is freed before the next starts."""
     import torch
 
     from rlfp8.trainer.core import PolicyTrainer
@@ -229,12 +229,11 @@ def score_trainers(model_path: str, trainers: dict, samples, cfg: dict):
     from .arms import score_trainer
     d = cfg["diagnose"]
     chunk, head32 = int(d["chunk_tokens"]), bool(d["trainer_head_fp32"])
-    floor_weights = "bf16" if "bf16" in trainers else next(iter(trainers))
     arms, floor_arm = {}, None
     for weights, tcfg in trainers.items():
         trainer = PolicyTrainer(model_path, tcfg)
         arms[weights] = score_trainer(trainer, samples, f"trainer_{weights}", False, head32, chunk)
-        if weights == floor_weights:
+        if weights == "bf16":
             floor_arm = score_trainer(trainer, samples, f"trainer_{weights}_single", True, head32, chunk)
         del trainer
         gc.collect()
