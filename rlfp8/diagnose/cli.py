@@ -66,7 +66,11 @@ def check_knobs(cfg: dict) -> None:
     for key, allowed in (("engine_distribution", ENGINE_DISTRIBUTIONS), ("engine_batch", ENGINE_BATCH)):
         if d[key] not in allowed:
             raise ConfigError(f"diagnose.{key}={d[key]!r}: allowed values are {list(allowed)}")
-    for key in ("num_prompts", "samples_per_prompt", "chunk_tokens"):
+    if d["random_model"] is not None:
+        from rlfp8.models import ARCHITECTURES
+        if d["random_model"] not in ARCHITECTURES:
+            raise ConfigError(f"diagnose.random_model={d['random_model']!r}: allowed values are null or {list(ARCHITECTURES)}")
+    for key in ("num_prompts", "samples_per_prompt", "chunk_tokens", "random_layers", "random_prompt_len"):
         if not isinstance(d[key], int) or isinstance(d[key], bool) or d[key] < 1:
             raise ConfigError(f"diagnose.{key}={d[key]!r}: must be an integer >= 1")
     if not cfg["engine"]["enforce_eager"] and d["engine_distribution"] == "capture":
@@ -77,13 +81,22 @@ def check_knobs(cfg: dict) -> None:
                           "capability >= 9.0")
 
 
-def arm_configs(argv: list[str], key: str, values: list[str]) -> tuple[dict, dict]:
-    """value -> the composed config with `key=value`; values this machine cannot run -> the reason."""
-    from rlfp8.config import ConfigError, compose_dict
+def arm_configs(base: dict, key: str, values: list[str]) -> tuple[dict, dict]:
+    """value -> the composed config `base` with `key=value` (validated as a composition would: a value this
+    machine cannot run -> the reason instead)."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from rlfp8.config import ConfigError, validate
+    section, name = key.split(".")
     ok, skipped = {}, {}
     for v in values:
+        arm = copy.deepcopy(base)
+        arm[section][name] = v
         try:
-            ok[v] = compose_dict(overrides_with_recipe(argv) + [f"{key}={v}"])
+            validate(OmegaConf.create(arm))
+            ok[v] = arm
         except ConfigError as e:
             skipped[v] = " ".join(str(e).split())
     return ok, skipped
@@ -154,8 +167,8 @@ def run(argv: list[str]) -> int:
     d = cfg["diagnose"]
     out = out_folder(cfg)
     model_path = resolve_model_path(cfg)
-    engines, skipped_engines = arm_configs(argv, "engine.precision", d["engines"])
-    trainers, skipped_trainers = arm_configs(argv, "trainer.weights", d["trainers"])
+    engines, skipped_engines = arm_configs(cfg, "engine.precision", d["engines"])
+    trainers, skipped_trainers = arm_configs(cfg, "trainer.weights", d["trainers"])
     for v, why in {**skipped_engines, **skipped_trainers}.items():
         log.warning("skipped %s: %s", v, why)
     if not engines or not trainers:
@@ -178,8 +191,15 @@ def run(argv: list[str]) -> int:
 
 
 def resolve_model_path(cfg: dict) -> str:
-    from rlfp8.trainer.hf_models import resolve_model
-    path = str(resolve_model(cfg["model"]["path"], cfg["cache_dir"], seed=cfg["seed"]))
+    """model.path's folder, or the random real-shape model of diagnose.random_model."""
+    from rlfp8.trainer.hf_models import default_cache_dir, resolve_model
+    d = cfg["diagnose"]
+    if d["random_model"]:
+        from .random_model import random_model_folder
+        path = str(random_model_folder(d["random_model"], int(d["random_layers"]), cfg["cache_dir"] or default_cache_dir(),
+                                       int(cfg["seed"]), "cuda" if _cuda() else "cpu"))
+    else:
+        path = str(resolve_model(cfg["model"]["path"], cfg["cache_dir"], seed=cfg["seed"]))
     cfg["model"]["resolved_path"] = path
     return path
 
@@ -206,7 +226,15 @@ def obtain_samples(cfg: dict, model_path: str, engines: dict, out: Path):
 
 
 def held_out_prompts(cfg: dict, model_path: str) -> list[list[int]]:
+    """The data's held-out prompts, rendered; random token ids for a random model (its tokenizer has no text)."""
     from transformers import AutoTokenizer
+    d = cfg["diagnose"]
+    if d["random_model"]:
+        from rlfp8.models import architecture_config
+
+        from .random_model import random_prompts
+        vocab = int(architecture_config(d["random_model"])["vocab_size"])
+        return random_prompts(vocab, int(d["num_prompts"]), int(d["random_prompt_len"]), int(cfg["seed"]))
 
     from rlfp8.config import prompt_token_limit
     from rlfp8.data import build_dataset, render_prompt

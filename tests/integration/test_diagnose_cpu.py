@@ -135,3 +135,25 @@ def test_diagnose_cli_tiny(tmp_path):
     assert again["knobs"]["trainer_head_fp32"] is True
     assert again["pairs"][0]["full_kl_mean"] == pytest.approx(pairs[("engine_bf16", "trainer_fp8")]["full_kl_mean"],
                                                               rel=1e-3)    # fp32 model: the fp32 head changes ~nothing
+
+
+# ------------------------------------------------------------------ the random real-shape model (small stand-in here)
+def test_random_model_folder_loads_with_its_tokenizer(tmp_path, monkeypatch):
+    """The folder rlfp8-diagnose writes for diagnose.random_model: HF loads it, the word-level tokenizer covers
+    the vocabulary, the layer count is diagnose.random_layers (a small Qwen3 spec stands in for qwen3_8b)."""
+    import rlfp8.models
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlfp8.diagnose.random_model import random_model_folder, random_prompts
+    spec = {**rlfp8.models.architecture_config("qwen3_8b"), "hidden_size": 64, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 300,
+            "bos_token_id": 1, "eos_token_id": 2}
+    monkeypatch.setattr(rlfp8.models, "architecture_config", lambda name: dict(spec))
+    folder = random_model_folder("qwen3_8b", 3, tmp_path, seed=0, device="cpu")
+    assert random_model_folder("qwen3_8b", 3, tmp_path, seed=0, device="cpu") == folder      # made once
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert model.config.num_hidden_layers == 3 and model.config.vocab_size == 300
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = random_prompts(300, 2, 5, seed=1)
+    assert ids == random_prompts(300, 2, 5, seed=1) and all(0 < t < 300 for row in ids for t in row)
+    assert tok(tok.decode(ids[0]), add_special_tokens=False).input_ids == ids[0] and tok.eos_token_id == 2
