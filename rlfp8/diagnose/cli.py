@@ -271,25 +271,33 @@ def score_trainers(model_path: str, trainers: dict, samples, cfg: dict):
 
 
 def score_engines(model_path: str, engines: dict, trainer_arms: dict, samples, cfg: dict):
-    """Per engine (one at a time): its distribution and its pairs with every trainer arm. The bf16 engine is
-    also scored in the other batch mode (the vLLM/vLLM floor). A failing engine is recorded, the rest run."""
-    from .decompose import pair_record
-    d = cfg["diagnose"]
-    single = d["engine_batch"] == "single"
+    """Per engine (one at a time): its pairs with every trainer arm. A failing engine is recorded, the rest run."""
+    single = cfg["diagnose"]["engine_batch"] == "single"
     pairs, failed, vllm_floor = [], {}, None
     for precision, ecfg in engines.items():
         try:
             with started_engine(model_path, ecfg, engine_overrides(ecfg, _total_len(samples))) as engine:
-                arm = score_engine(engine, samples, f"engine_{precision}", ecfg, single)
-                pairs += [pair_record(arm, t, samples, int(d["chunk_tokens"])) for t in trainer_arms.values()]
-                if precision == "bf16":
-                    other = score_engine(engine, samples, f"engine_bf16_{'batch' if single else 'single'}", ecfg,
-                                         not single)
-                    vllm_floor = pair_record(arm, other, samples, int(d["chunk_tokens"]))
+                found, floor = engine_pairs(engine, precision, ecfg, trainer_arms, samples, single)
+            pairs += found
+            vllm_floor = floor if floor is not None else vllm_floor
         except Exception:         # noqa: BLE001  (recorded in the report and the exit code, never hidden)
             failed[f"engine_{precision}"] = traceback.format_exc()[-4000:]
             log.error("engine %s failed:\n%s", precision, failed[f"engine_{precision}"])
     return pairs, failed, vllm_floor
+
+
+def engine_pairs(engine, precision: str, ecfg: dict, trainer_arms: dict, samples, single: bool):
+    """The engine's pair records (plain dicts: no reference to the engine survives this call, so it can be
+    freed) and, for the bf16 engine, its other batch mode against this one (the vLLM/vLLM floor)."""
+    from .decompose import pair_record
+    chunk = int(ecfg["diagnose"]["chunk_tokens"])
+    arm = score_engine(engine, samples, f"engine_{precision}", ecfg, single)
+    pairs = [pair_record(arm, t, samples, chunk) for t in trainer_arms.values()]
+    floor = None
+    if precision == "bf16":
+        other = score_engine(engine, samples, f"engine_bf16_{'batch' if single else 'single'}", ecfg, not single)
+        floor = pair_record(arm, other, samples, chunk)
+    return pairs, floor
 
 
 def _total_len(samples) -> int:

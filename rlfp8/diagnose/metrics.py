@@ -37,7 +37,7 @@ def chunked_full_kl(n: int, engine_rows: RowFn, trainer_rows: RowFn, chunk_token
     for start in range(0, n, chunk_tokens):
         stop = min(n, start + chunk_tokens)
         lp = engine_rows(start, stop).double().log_softmax(-1)
-        lq = trainer_rows(start, stop).double().log_softmax(-1)
+        lq = trainer_rows(start, stop).to(lp.device).double().log_softmax(-1)
         if lp.shape != lq.shape or lp.shape[0] != stop - start:
             raise ValueError(f"chunked_full_kl: rows {start}:{stop}: engine rows {tuple(lp.shape)} vs trainer rows "
                              f"{tuple(lq.shape)} (expected [{stop - start}, V] on both sides)")
