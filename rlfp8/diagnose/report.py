@@ -37,11 +37,11 @@ def write(out: Path, report: dict) -> tuple[Path, Path]:
     js = out / "report.json"
     js.write_text(json.dumps(report, indent=2))
     png = out / "report.png"
-    plot(report["pairs"], report["floor"], png)
+    plot(report["pairs"], report["floor"], png, f"{report['model']} ({report['dtype']}), {report['samples']['scored_tokens']} tokens")
     return js, png
 
 
-def plot(pairs: list[dict], floor: dict, path: Path) -> None:
+def plot(pairs: list[dict], floor: dict, path: Path, subtitle: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -56,7 +56,7 @@ def plot(pairs: list[dict], floor: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xticks(list(x), labels, fontsize=7)
     ax.set_ylabel("mean over scored tokens")
-    ax.set_title("engine-trainer mismatch per pair")
+    ax.set_title(f"engine-trainer mismatch per pair: {subtitle}", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
