@@ -98,16 +98,27 @@ def test_captured_engine_distribution_equals_vllm_full_vocabulary(tmp_path):
 
 
 # ------------------------------------------------------------------ the CLI end to end
-@pytest.mark.slow
-def test_diagnose_cli_tiny(tmp_path):
-    pytest.importorskip("vllm")
-    out = tmp_path / "out"
-    env = {**os.environ, "RLFP8_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+def _diagnose(*args, tmp):
+    env = {**os.environ, "RLFP8_CACHE": str(tmp / "cache"), "PYTHONUNBUFFERED": "1"}
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "rlfp8.diagnose", "model=tiny", "model.dtype=float32", f"diagnose.out_dir={out}",
-           "diagnose.engines=[bf16,w8a16,w8a8_vllm]", "diagnose.trainers=[bf16,fp8]", "diagnose.num_prompts=4",
-           "algo.max_response_len=16", "diagnose.chunk_tokens=32"]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "rlfp8.diagnose", "model=tiny", "model.dtype=float32", "algo.max_response_len=16",
+           *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    pytest.importorskip("vllm")
+    tmp = tmp_path_factory.mktemp("diagnose")
+    out = tmp / "out"
+    r = _diagnose(f"diagnose.out_dir={out}", "diagnose.engines=[bf16,w8a16,w8a8_vllm]", "diagnose.trainers=[bf16,fp8]",
+                  "diagnose.num_prompts=4", "diagnose.chunk_tokens=32", tmp=tmp)
+    return tmp, out, r
+
+
+@pytest.mark.slow
+def test_diagnose_cli_tiny(first_run):
+    _, out, r = first_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "full KL" in r.stdout and "floor (engine bf16 / trainer bf16" in r.stdout
     report = json.loads((out / "report.json").read_text())
@@ -124,17 +135,20 @@ def test_diagnose_cli_tiny(tmp_path):
     assert report["floor"]["bf16_bf16"] == floor and "hf_batch_vs_single" in report["floor"]
     assert report["floor_pairs"]["vllm_vllm"]["full_kl_mean"] >= 0
 
-    # the same tokens again from the saved samples file, one knob changed
-    r2 = subprocess.run(cmd[:5] + [f"diagnose.out_dir={tmp_path / 'again'}", f"diagnose.samples={out}",
-                                   "diagnose.engines=[bf16]", "diagnose.trainers=[fp8]", "diagnose.trainer_head_fp32=true",
-                                   "algo.max_response_len=16"],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+@pytest.mark.slow
+def test_diagnose_cli_rescores_saved_samples_with_a_knob(first_run):
+    """The same tokens again from the samples file, one knob changed (fp32 model: the fp32 head changes ~nothing)."""
+    tmp, out, r = first_run
+    assert r.returncode == 0
+    first = {(p["engine"], p["trainer"]): p for p in json.loads((out / "report.json").read_text())["pairs"]}
+    r2 = _diagnose(f"diagnose.out_dir={tmp / 'again'}", f"diagnose.samples={out}", "diagnose.engines=[bf16]",
+                   "diagnose.trainers=[fp8]", "diagnose.trainer_head_fp32=true", tmp=tmp)
     assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
-    again = json.loads((tmp_path / "again" / "report.json").read_text())
-    assert again["samples"]["scored_tokens"] == report["samples"]["scored_tokens"]
-    assert again["knobs"]["trainer_head_fp32"] is True
-    assert again["pairs"][0]["full_kl_mean"] == pytest.approx(pairs[("engine_bf16", "trainer_fp8")]["full_kl_mean"],
-                                                              rel=1e-3)    # fp32 model: the fp32 head changes ~nothing
+    again = json.loads((tmp / "again" / "report.json").read_text())
+    assert again["samples"]["source"].startswith("file ") and again["knobs"]["trainer_head_fp32"] is True
+    assert again["pairs"][0]["full_kl_mean"] == pytest.approx(first[("engine_bf16", "trainer_fp8")]["full_kl_mean"],
+                                                              rel=1e-3)
 
 
 # ------------------------------------------------------------------ the random real-shape model (small stand-in here)
