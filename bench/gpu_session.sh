@@ -10,6 +10,7 @@
 #   e2e      bench/e2e.py: tiny end to end, then the quickstart with engine.precision=bf16 and w8a8
 #   plugin   the vLLM plugin's GPU tests (matched layer stack, vLLM 0.26 eager and CUDA graphs)
 #   serve    bench/serve.py (ENGINES=comma list; appends to bench/results/serve_h200.json under $OUT)
+#   diagnose rlfp8-diagnose (MODEL=smollm2 | qwen3_8b_shape; extra overrides as arguments), report under $OUT/diagnose_$MODEL
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -55,6 +56,13 @@ serve)
     timeout 560 $PY bench/serve.py --out "$OUT/r/serve_h200.json" --engines "${ENGINES:-ours_w8a16,vllm_bf16}" 2>&1 | tail -40
     cp /tmp/rlfp8-serve/*.log "$OUT/" 2>/dev/null
     ;;
+diagnose)  # one model per call (10-minute limit); MODEL=qwen3_8b_shape: random weights at Qwen3-8B's layer shapes
+    shift
+    extra=(); [ "${MODEL:-smollm2}" = qwen3_8b_shape ] && extra=(diagnose.random_model=qwen3_8b diagnose.random_layers=4)
+    timeout 560 $PY -m rlfp8.diagnose diagnose.out_dir="$OUT/diagnose_${MODEL:-smollm2}" "${extra[@]}" "$@" \
+        > "$OUT/diagnose_${MODEL:-smollm2}.log" 2>&1; echo "rlfp8-diagnose rc=$?"
+    grep -v "^INFO\|^WARNING\|^(EngineCore" "$OUT/diagnose_${MODEL:-smollm2}.log" | tail -30
+    ;;
 *)
-    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve [--run NAME:overrides ...]"; exit 2 ;;
+    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|diagnose [--run NAME:overrides ...]"; exit 2 ;;
 esac
