@@ -180,11 +180,12 @@ def score_engine_capture(engine, samples: Samples, name: str, one_at_a_time: boo
         capture.close()
     rows = head_rows(hidden, engine_head(model))
     logp = gathered_logp(rows, samples.targets(), chunk_tokens)
-    check = float((logp.double() - vllm_logp.double()).abs().max())
-    if check > 0.05:
-        log.warning("%s: captured distribution vs vLLM's returned log-probs differ by up to %.3g", name, check)
+    diff = (logp.double() - vllm_logp.double()).abs()
+    if float(diff.mean()) > 1e-3:       # bf16 logits: a GEMM at another row count may round one ulp apart
+        log.warning("%s: captured vs vLLM's returned log-probs: mean |diff| %.3g, max %.3g", name,
+                    float(diff.mean()), float(diff.max()))
     info = {"distribution": "capture", "batch": "single" if one_at_a_time else "batch",
-            "capture_vs_vllm_logp_max_abs": check}
+            "capture_vs_vllm_logp_max_abs": float(diff.max()), "capture_vs_vllm_logp_mean_abs": float(diff.mean())}
     return ScoredArm(name, rows, logp, info)
 
 

@@ -37,5 +37,5 @@ def test_diagnose_on_the_gpu(name):
     assert len(pairs) == 8
     for p in pairs.values():
         assert math.isfinite(p["full_kl_mean"]) and p["full_kl_min"] >= -1e-9
-        assert p["engine_info"]["capture_vs_vllm_logp_max_abs"] < 0.05
+        assert p["engine_info"]["capture_vs_vllm_logp_mean_abs"] < 1e-3     # max: bf16 ulps of another GEMM shape
     assert pairs[("engine_bf16", "trainer_fp8")]["full_kl_mean"] > report["floor"]["bf16_bf16"]
