@@ -145,10 +145,11 @@ def started_engine(model_path: str, cfg: dict, overrides: dict):
         core = getattr(engine.llm.llm_engine, "engine_core", None)
         if hasattr(core, "shutdown"):
             core.shutdown()
-        del engine
+        engine.llm = None          # the caller's `as` name outlives the block: vLLM goes here
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+            log.info("engine %s freed: %.1f GiB free on the GPU", engine.precision, torch.cuda.mem_get_info()[0] / 2**30)
 
 
 def score_engine(engine, samples, name: str, cfg: dict, one_at_a_time: bool):
