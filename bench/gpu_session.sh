@@ -12,6 +12,7 @@
 #   serve    bench/serve.py (ENGINES=comma list; appends to bench/results/serve_h200.json under $OUT)
 #   profile  bench/step_profile.py on the quickstart: default, then PROFILE_VARIANTS="label:ov,ov;label:ov"
 #   learn    bench/e2e.py --parallel: RUNS="name:ov,ov name:ov" learning runs at once (LEARN_PARALLEL)
+#   diagnose rlfp8-diagnose (MODEL=smollm2 | qwen3_8b_shape; extra overrides as arguments), report under $OUT/diagnose_$MODEL
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -92,11 +93,20 @@ round_engine)    # one call: quickstart learning runs (background, small KV) bes
     mkdir -p "$OUT/r"
     RUNS="${RUNS:-}" LEARN_PARALLEL=${LEARN_PARALLEL:-3} RUN_TIMEOUT=${RUN_TIMEOUT:-480} bash "$0" learn > "$OUT/learn.log" 2>&1 &
     learn=$!
-    timeout 420 $PY -m pytest tests/gpu/test_one_copy_gpu.py tests/gpu/test_plugin_gpu.py tests/gpu/test_diagnose_gpu.py \
+    MODEL=smollm2 bash "$0" diagnose > "$OUT/diagnose_stage.log" 2>&1 &
+    diag=$!
+    timeout 420 $PY -m pytest tests/gpu/test_one_copy_gpu.py tests/gpu/test_plugin_gpu.py \
         -m gpu -q -rs --timeout 400 -k "not matched" > "$OUT/gpu_engine_tests.log" 2>&1; echo "engine tests rc=$?"
     tail -25 "$OUT/gpu_engine_tests.log"
-    wait $learn; cat "$OUT/learn.log"
+    wait $learn; cat "$OUT/learn.log"; wait $diag; cat "$OUT/diagnose_stage.log"
+    ;;
+diagnose)  # one model per call (10-minute limit); MODEL=qwen3_8b_shape: random weights at Qwen3-8B's layer shapes
+    shift
+    extra=(); [ "${MODEL:-smollm2}" = qwen3_8b_shape ] && extra=(diagnose.random_model=qwen3_8b diagnose.random_layers=4)
+    timeout 560 $PY -m rlfp8.diagnose diagnose.out_dir="$OUT/diagnose_${MODEL:-smollm2}" "${extra[@]}" "$@" \
+        > "$OUT/diagnose_${MODEL:-smollm2}.log" 2>&1; echo "rlfp8-diagnose rc=$?"
+    grep -v "^INFO\|^WARNING\|^(EngineCore" "$OUT/diagnose_${MODEL:-smollm2}.log" | tail -30
     ;;
 *)
-    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn [--run NAME:overrides ...]"; exit 2 ;;
+    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn|diagnose|round_kernels|round_engine [--run NAME:overrides ...]"; exit 2 ;;
 esac

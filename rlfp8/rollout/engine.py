@@ -57,8 +57,9 @@ def prompt_seed(seed: int, index: int) -> int:
 
 
 class RolloutEngine:
-    def __init__(self, model_path: str, cfg: dict):
-        """cfg: the resolved config as a plain dict (keys model, adapter, engine, seed)."""
+    def __init__(self, model_path: str, cfg: dict, llm_overrides: dict | None = None):
+        """cfg: the resolved config as a plain dict (keys model, adapter, engine, seed); llm_overrides: extra or
+        replaced vLLM `LLM(...)` arguments (rlfp8-diagnose's knobs: attention backend, fp32 head, ...)."""
         ecfg, mcfg = cfg["engine"], cfg["model"]
         os.environ.update(compat.engine_env(float(ecfg["cpu_kv_cache_gb"])))
         os.environ["RLFP8_ENGINE_DORA"] = "1" if cfg["adapter"]["type"] == "dora" else "0"
@@ -99,6 +100,7 @@ class RolloutEngine:
             kwargs["gpu_memory_utilization"] = float(ecfg["gpu_memory_utilization"])
             if ecfg["kv_cache_memory_gb"]:
                 kwargs["kv_cache_memory_bytes"] = int(float(ecfg["kv_cache_memory_gb"]) * 2**30)
+        kwargs.update(llm_overrides or {})
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.lora = None                # the LoRARequest served, once an adapter was set
