@@ -43,6 +43,7 @@ class CallMeter:
 
     def __init__(self, call):
         self.inner, self.calls = call, defaultdict(lambda: {"s": 0.0, "n": 0, "arg_bytes": 0, "result_bytes": 0})
+        self.depth = 0
 
     def __call__(self, method, *args, **kwargs):
         return self.timed(getattr(method, "_method_name", str(method)), self.inner, method, *args, **kwargs)
@@ -53,8 +54,14 @@ class CallMeter:
         setattr(obj, name, lambda *a, **k: self.timed(name, fn, *a, **k))
 
     def timed(self, name: str, fn, *args, **kwargs):
+        if self.depth:                    # a call inside a metered one (Pairs.train_step -> call): the outer counts
+            return fn(*args, **kwargs)
+        self.depth += 1
         t0 = time.perf_counter()
-        result = fn(*args, **kwargs)
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            self.depth -= 1
         rec = self.calls[name]
         rec["s"] += time.perf_counter() - t0
         rec["n"] += 1
