@@ -289,10 +289,10 @@ def score_engines(model_path: str, engines: dict, trainer_arms: dict, samples, c
     """Per engine (one at a time): its pairs with every trainer arm. A failing engine is recorded, the rest run."""
     single = cfg["diagnose"]["engine_batch"] == "single"
     pairs, failed, vllm_floor = [], {}, None
-    for precision, ecfg in engines.items():
+    for precision, arm_cfg in engines.items():
         try:
-            with started_engine(model_path, ecfg, engine_overrides(ecfg, _total_len(samples))) as engine:
-                found, floor = engine_pairs(engine, precision, ecfg, trainer_arms, samples, single)
+            with started_engine(model_path, arm_cfg, engine_overrides(arm_cfg, _total_len(samples))) as engine:
+                found, floor = engine_pairs(engine, precision, arm_cfg, trainer_arms, samples, single)
             pairs += found
             vllm_floor = floor if floor is not None else vllm_floor
         except Exception:         # noqa: BLE001  (recorded in the report and the exit code, never hidden)
@@ -301,16 +301,16 @@ def score_engines(model_path: str, engines: dict, trainer_arms: dict, samples, c
     return pairs, failed, vllm_floor
 
 
-def engine_pairs(engine, precision: str, ecfg: dict, trainer_arms: dict, samples, single: bool):
+def engine_pairs(engine, precision: str, arm_cfg: dict, trainer_arms: dict, samples, single: bool):
     """The engine's pair records (plain dicts: no reference to the engine survives this call, so it can be
     freed) and, for the bf16 engine, its other batch mode against this one (the vLLM/vLLM floor)."""
     from .decompose import pair_record
-    chunk = int(ecfg["diagnose"]["chunk_tokens"])
-    arm = score_engine(engine, samples, f"engine_{precision}", ecfg, single)
+    chunk = int(arm_cfg["diagnose"]["chunk_tokens"])
+    arm = score_engine(engine, samples, f"engine_{precision}", arm_cfg, single)
     pairs = [pair_record(arm, t, samples, chunk) for t in trainer_arms.values()]
     floor = None
     if precision == "bf16":
-        other = score_engine(engine, samples, f"engine_bf16_{'batch' if single else 'single'}", ecfg, not single)
+        other = score_engine(engine, samples, f"engine_bf16_{'batch' if single else 'single'}", arm_cfg, not single)
         floor = pair_record(arm, other, samples, chunk)
     return pairs, floor
 
