@@ -119,13 +119,19 @@ def native_bf16() -> tuple[bool, str]:
     return native, "CPU with " + ("avx512_bf16/amx_bf16" if native else "no avx512_bf16/amx_bf16")
 
 
+CPU_MICRO_BATCH_TOKENS, GPU_MICRO_BATCH_TOKENS = 2048, 8192   # trainer.micro_batch_tokens=auto
+
+
 def resolve_auto(cfg: DictConfig) -> None:
-    """model.dtype=auto -> bfloat16 where the machine computes it natively, float32 elsewhere. Resolved once,
+    """model.dtype=auto -> bfloat16 where the machine computes it natively, float32 elsewhere;
+    trainer.micro_batch_tokens=auto -> 2048 on a CPU (activation memory), 8192 on a GPU. Resolved once,
     here, so the engine and the trainer (and a resumed run, which reads the saved config) use one dtype."""
     if cfg.model.dtype == "auto":
         native, where = native_bf16()
         cfg.model.dtype = "bfloat16" if native else "float32"
         print(f"[rlfp8] model.dtype=auto -> {cfg.model.dtype} ({where})", flush=True)
+    if cfg.trainer.micro_batch_tokens == "auto":      # GPU: one large micro-batch (small ones are host-bound)
+        cfg.trainer.micro_batch_tokens = GPU_MICRO_BATCH_TOKENS if cuda_available() else CPU_MICRO_BATCH_TOKENS
 
 
 def cuda_available() -> bool:
@@ -159,8 +165,8 @@ def compose(overrides: list[str]) -> DictConfig:
         del cfg["hydra"]
         cfg.recipe = rname
     _check_known_keys(cfg, base)
-    validate(cfg)
     resolve_auto(cfg)
+    validate(cfg)
     return cfg
 
 
@@ -433,8 +439,8 @@ def compose_resume(saved: dict, overrides: list[str]) -> DictConfig:
             raise ConfigError(f"unknown config key {key!r} in {o.input_line!r} (the saved config has no such key)")
         else:
             OmegaConf.update(cfg, key, o.value(), merge=False, force_add=o.is_add())
-    validate(cfg)
     resolve_auto(cfg)
+    validate(cfg)
     return cfg
 
 

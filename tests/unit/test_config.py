@@ -342,3 +342,12 @@ def test_trainer_keeps_batch_invariant_schedules_only_for_the_matched_engine(mon
         assert knobs.knobs().batch_invariant == expected
     finally:
         knobs.restore_knobs(saved)
+
+
+@pytest.mark.parametrize("cuda, expected", [(False, config.CPU_MICRO_BATCH_TOKENS), (True, config.GPU_MICRO_BATCH_TOKENS)])
+def test_quickstart_micro_batch_tokens_auto_follows_the_device(monkeypatch, cuda, expected):
+    monkeypatch.setattr(config, "cuda_available", lambda: cuda)
+    assert compose(["recipe=quickstart"]).trainer.micro_batch_tokens == expected
+    assert compose(["recipe=quickstart", "trainer.micro_batch_tokens=512"]).trainer.micro_batch_tokens == 512
+    with pytest.raises(ConfigError, match="trainer.micro_batch_tokens"):
+        compose(["trainer.micro_batch_tokens=fast"])
