@@ -2,12 +2,11 @@
 
 Each process (the driver, the engine actor, the trainer actor) keeps one PhaseTimer. Code marks a phase with
 `with phase("engine/generate"):`; a phase entered again in the same step adds up (micro-batches). Timing is
-wall-clock; with `synchronize(True)` (profiling runs only) a CUDA device is synchronised at each phase's ends
+wall-clock; after `take_phase_times(synchronize=True)` (profiling runs only) a CUDA device is synchronised at each phase's ends
 so GPU work is charged to the phase that launched it; the training loop never synchronises for it.
 """
 from __future__ import annotations
 
-import functools
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -48,18 +47,8 @@ TIMER = PhaseTimer()
 
 
 def phase(name: str):
+    """A context manager, or a decorator (the whole call is the phase)."""
     return TIMER.phase(name)
-
-
-def phased(name: str):
-    """Decorator: the whole call is the phase `name`."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            with TIMER.phase(name):
-                return fn(*args, **kwargs)
-        return timed
-    return wrap
 
 
 def take_phase_times(synchronize: bool | None = None) -> dict[str, dict[str, float]]:

@@ -32,7 +32,7 @@ import torch
 
 from rlfp8 import algos
 from rlfp8.kernels import dispatch
-from rlfp8.profiling import phase, phased
+from rlfp8.profiling import phase
 from .adapter_io import load_adapter, save_adapter
 from .adapters import adapter_kind
 from .data_parallel import DataParallel, tensor_checksum
@@ -237,7 +237,7 @@ class PolicyTrainer(TrainerInterface):
                     _acc(acc, k, v)
         return acc
 
-    @phased("trainer/optimizer")
+    @phase("trainer/optimizer")
     def optimizer_step(self) -> dict[str, float]:
         if self.dp is not None:
             self.dp.sum_gradients(self.params)
@@ -285,7 +285,7 @@ class PolicyTrainer(TrainerInterface):
         return out
 
     # ------------------------------------------------------------------ adapters and checkpoints
-    @phased("trainer/export")
+    @phase("trainer/export")
     def export_adapter(self) -> dict:
         self.adapter_version += 1
         return {"version": self.adapter_version, "tensors": self.adapter.state_dict(self.model),

@@ -40,7 +40,7 @@ def test_phase_timer_adds_up_repeated_phases_and_resets():
         with profiling.phase("x"):
             pass
 
-    @profiling.phased("y")
+    @profiling.phase("y")
     def f(a):
         return a + 1
     assert f(1) == 2
