@@ -100,6 +100,11 @@ round_engine)    # one call: quickstart learning runs (background, small KV) bes
     tail -25 "$OUT/gpu_engine_tests.log"
     wait $learn; cat "$OUT/learn.log"; wait $diag; cat "$OUT/diagnose_stage.log"
     ;;
+trace)     # bench/lab/trainer_trace.py: the trainer's update without Ray, profiled (TRACE_ARGS: its options)
+    timeout ${TRACE_TIMEOUT:-200} $PY bench/lab/trainer_trace.py --out-dir "$OUT/trace" ${TRACE_ARGS:-} > "$OUT/trace.log" 2>&1
+    echo "trainer_trace rc=$?"; grep -v "^INFO\|^WARNING" "$OUT/trace.log" | tail -8
+    tar czf "$OUT/trace.tgz" -C "$OUT" trace && rm -rf "$OUT/trace"
+    ;;
 diagnose)  # one model per call (10-minute limit); MODEL=qwen3_8b_shape: random weights at Qwen3-8B's layer shapes
     shift
     extra=(); [ "${MODEL:-smollm2}" = qwen3_8b_shape ] && extra=(diagnose.random_model=qwen3_8b diagnose.random_layers=4)
@@ -108,5 +113,5 @@ diagnose)  # one model per call (10-minute limit); MODEL=qwen3_8b_shape: random 
     grep -v "^INFO\|^WARNING\|^(EngineCore" "$OUT/diagnose_${MODEL:-smollm2}.log" | tail -30
     ;;
 *)
-    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn|diagnose|round_kernels|round_engine [--run NAME:overrides ...]"; exit 2 ;;
+    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn|trace|diagnose|round_kernels|round_engine [--run NAME:overrides ...]"; exit 2 ;;
 esac

@@ -2,7 +2,7 @@
 
     two_copies  the trainer holds its own FP8 copy of the base, resident
     offloaded   the trainer's copy waits in host memory while the engine generates
-    one_copy    the trainer maps the engine's tensors; the engine releases KV while training (not built)
+    one_copy    the trainer maps the engine's tensors; the engine releases KV while training
 
 The placement joins the two roles: the trainer knows no engine and the engine no trainer.
 Ray set-up is in ray_setup.py. Modules are imported when a placement starts (Ray is heavy).

@@ -1,7 +1,8 @@
 """A placement: where the engine and the trainer live and what happens around each phase.
 
 The RL loop calls the hooks in this order every step:
-    before_rollout -> (generate) -> before_train -> (train_step) -> (export + set_adapter) -> after_sync
+    before_rollout -> (generate) -> before_train -> (train_step) -> after_train -> (export + set_adapter)
+    -> after_sync (-> the parity probe, which scores on the engine)
 and after_setup once, when both actors are up. A strategy names its trainer's base-weight source
 (rlfp8.trainer.weights.SOURCES).
 """
@@ -34,6 +35,9 @@ class Placement:
 
     def before_train(self) -> None:
         """The trainer is about to run train_step."""
+
+    def after_train(self) -> None:
+        """The trainer is done with this step's update; the engine runs next (the sync's probe scores on it)."""
 
     def after_sync(self) -> None:
         """The engine holds the new adapter."""

@@ -2,7 +2,8 @@
 /dev/shm-backed tensors on a CPU machine) and the trainer maps them (base-weight source "map": q/k/v and
 gate/up as row views of the engine's fused tensors), so the trainer holds no base of its own. With
 engine.release_kv (auto = on, on a GPU) the engine frees its KV cache while the trainer runs and maps it back
-before the next rollout. placement.checksum_every: every N syncs the engine's and the trainer's checksums of
+as soon as the update is done (the trainer first returns its cached blocks), before the sync's parity probe
+scores on the engine. placement.checksum_every: every N syncs the engine's and the trainer's checksums of
 the shared base are compared with the one taken at set-up (the base must never be written).
 """
 from __future__ import annotations
@@ -33,6 +34,12 @@ class OneCopy(Placement):
 
     def before_rollout(self) -> None:
         if self.kv_released:
+            call(self.engine.resume_kv)
+            self.kv_released = False
+
+    def after_train(self) -> None:
+        if self.kv_released:
+            call(self.trainer.release_cached_memory)
             call(self.engine.resume_kv)
             self.kv_released = False
 

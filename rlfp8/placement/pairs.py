@@ -126,7 +126,14 @@ class Pairs:
         return samples
 
     def train_step(self, batch) -> dict[str, float]:
-        """One update: each trainer its share's rows (a share = its pair's prompts' groups), gradients summed."""
+        """One update: each trainer its share's rows (a share = its pair's prompts' groups), gradients summed;
+        then each placement's after_train."""
+        metrics = self._train_step(batch)
+        for p in self.pairs:
+            p.after_train()
+        return metrics
+
+    def _train_step(self, batch) -> dict[str, float]:
         if self.num_pairs == 1:
             return call(self.trainer.train_step, batch)
         import ray
@@ -151,13 +158,14 @@ class Pairs:
         return True
 
     def sync_adapters(self) -> dict:
-        """Each trainer's adapter to its own engine; returns pair 0's update (the parity probe's)."""
+        """Each trainer's adapter to its own engine; returns pair 0's update (the parity probe's). The updates go
+        from trainer to engine through Ray's object store as references: the driver only reads pair 0's."""
         import ray
-        updates = ray.get([t.export_adapter.remote() for t in self.trainers])
+        updates = [t.export_adapter.remote() for t in self.trainers]
         ray.get([p.engine.set_adapter.remote(u) for p, u in zip(self.pairs, updates)])
         for p in self.pairs:
             p.after_sync()
-        return updates[0]
+        return ray.get(updates[0])
 
     def load_checkpoint(self, ckpt_dir: str) -> None:
         """Every trainer loads the one checkpoint pair 0 wrote."""

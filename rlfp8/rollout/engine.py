@@ -159,6 +159,7 @@ class RolloutEngine:
         seed: prompt i samples from its own stream seeded by prompt_seed(seed, i) (vLLM gives its n
         samples seed + 0..n-1), so a call is reproducible whatever ran before it (exact resume)."""
         from vllm import SamplingParams
+        self._require_kv("generate")
         if not greedy and temperature <= 0:
             raise ValueError(f"algo.temperature={temperature}: RL needs sampling (> 0)")
 
@@ -184,6 +185,7 @@ class RolloutEngine:
     def score(self, sequences: list[list[int]], prompt_lens: list[int], use_adapter: bool = True) -> list[list[float]]:
         """Log-probs (temperature 1, full vocabulary) of each sequence's tokens after its prompt."""
         from vllm import SamplingParams
+        self._require_kv("score")
         sp = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
         with phase("engine/score"):
             outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], sp, use_tqdm=False,
@@ -255,6 +257,13 @@ class RolloutEngine:
                 start += width
         return out
 
+    def _require_kv(self, what: str) -> None:
+        """vLLM with its KV pages unmapped fails deep inside a kernel ("Pointer argument cannot be accessed from
+        Triton"): say what happened instead."""
+        if self.kv_released:
+            raise RuntimeError(f"engine.{what} while the KV cache is released (engine.release_kv): the placement "
+                               "must call resume_kv first")
+
     def release_kv(self) -> dict:
         """Free the KV cache (GPU, engine started with sleep mode): prefix cache reset, KV pages unmapped; the
         weights stay (they are outside vLLM's cuMem pool). Returns the memory freed."""
@@ -281,11 +290,21 @@ class RolloutEngine:
         """Map the KV cache back at the same addresses (CUDA graphs stay valid) and let vLLM re-initialise it."""
         if not self.kv_release:
             raise RuntimeError("resume_kv: this engine was started without engine.release_kv (sleep mode)")
+        if not self.kv_released:
+            return
+        import torch
+        free_before = torch.cuda.mem_get_info()[0]
         self.llm.collective_rpc("wake_up", kwargs={"tags": ["kv_cache"]})
         from vllm.device_allocator.cumem import CuMemAllocator
-        for d in CuMemAllocator.get_instance().pointer_to_data.values():
-            if d.tag == "kv_cache":
-                d.is_asleep = False       # vLLM 0.26's wake_up maps without tracking it; the next release needs it
+        kv = [d for d in CuMemAllocator.get_instance().pointer_to_data.values() if d.tag == "kv_cache"]
+        for d in kv:
+            d.is_asleep = False           # vLLM 0.26's wake_up maps without tracking it; the next release needs it
+        mapped = free_before - torch.cuda.mem_get_info()[0]
+        want = sum(d.handle[1] for d in kv)
+        if mapped < 0.9 * want:           # cuMem's create_and_map reports a failed map only on stderr
+            raise RuntimeError(f"resume_kv: mapping the KV cache back took {mapped / 2**30:.2f} GiB of the "
+                               f"{want / 2**30:.2f} GiB it needs: another process holds the memory (the trainer's "
+                               "cached blocks? it empties its cache after train_step under one_copy)")
         self.kv_released = False
 
 

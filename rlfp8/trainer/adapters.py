@@ -34,8 +34,14 @@ class AdapterKind(ABC):
         """Raise ValueError, naming the config keys to change, when a file does not fit this model."""
 
     def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """CPU fp32 copies of the trainable tensors (the optimizer's masters), by PEFT key."""
-        return {k: p.detach().to("cpu", torch.float32).contiguous() for k, p in self.trainable_parameters(model).items()}
+        """CPU fp32 copies of the trainable tensors (the optimizer's masters), by PEFT key: one device-to-host
+        copy of them all, as PackedTensors (one buffer through Ray)."""
+        from rlfp8.peft_format import PackedTensors
+        params = self.trainable_parameters(model)
+        if not params:
+            return PackedTensors()
+        flat = torch.cat([p.detach().to(torch.float32).reshape(-1) for p in params.values()]).cpu()
+        return PackedTensors.from_flat(list(params), [tuple(p.shape) for p in params.values()], flat)
 
     def load_state_dict(self, model: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
         """Copy every tensor into its parameter (shapes checked); every key must be used exactly once."""

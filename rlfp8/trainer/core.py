@@ -317,6 +317,16 @@ class PolicyTrainer(TrainerInterface):
         with torch.no_grad():
             return float(sum((p.double() * (i + 1)).sum() for i, p in enumerate(self.params)))
 
+    def release_cached_memory(self) -> float:
+        """Return the allocator's cached, unused GPU blocks to the device (one_copy: the engine maps its KV cache
+        back next); the GiB still reserved after (0 on a CPU)."""
+        if not torch.cuda.is_available():
+            return 0.0
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved() / 2**30
+
     def kernel_report(self) -> dict:
         return dispatch.report()
 

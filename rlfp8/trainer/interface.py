@@ -82,6 +82,9 @@ class TrainerInterface(ABC):
     def memory(self) -> dict[str, float]: ...
 
     @abstractmethod
+    def release_cached_memory(self) -> float: ...
+
+    @abstractmethod
     def release_base(self) -> None:
         """Before the engine runs: the base-weight source may move the frozen base away."""
 

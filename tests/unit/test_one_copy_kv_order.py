@@ -1,0 +1,111 @@
+"""one_copy with KV release: the engine's KV cache is mapped back as soon as the update is done, so the sync's
+parity probe (engine.score) never runs on a released cache (the H200 Qwen3-8B run failed there inside vLLM's
+block-table write), and the trainer returns its cached blocks first."""
+from __future__ import annotations
+
+import pytest
+
+from rlfp8.placement import one_copy as one_copy_mod
+from rlfp8.placement import pairs as pairs_mod
+from rlfp8.placement.one_copy import OneCopy
+from rlfp8.placement.pairs import Pairs
+
+
+class FakeMethod:
+    def __init__(self, log, name, result=None):
+        self.log, self.name, self.result = log, name, result
+
+    def __call__(self, *a, **k):
+        self.log.append(self.name)
+        return self.result
+
+
+class FakeActor:
+    def __init__(self, log, role, **results):
+        self._log, self._role, self._results = log, role, results
+
+    def __getattr__(self, name):
+        return FakeMethod(self._log, f"{self._role}.{name}", self._results.get(name))
+
+
+@pytest.fixture
+def direct_calls(monkeypatch):
+    """call(method, *args) runs the fake method in this process (no Ray)."""
+    monkeypatch.setattr(one_copy_mod, "call", lambda m, *a, **k: m(*a, **k))
+    monkeypatch.setattr(pairs_mod, "call", lambda m, *a, **k: m(*a, **k))
+
+
+def _one_copy(log, release_kv=True):
+    p = OneCopy.__new__(OneCopy)
+    p.cfg = {"placement": {"checksum_every": 0}}
+    p.engine = FakeActor(log, "engine", base_checksums={"q": 1}, kv_release_enabled=release_kv)
+    p.trainer = FakeActor(log, "trainer", base_checksums={"q": 1}, train_step={"loss": 0.0})
+    p.after_setup()
+    log.clear()
+    return p
+
+
+def _pairs(placement):
+    ps = Pairs.__new__(Pairs)
+    ps.cfg, ps.num_pairs, ps.pairs = {}, 1, [placement]
+    return ps
+
+
+def test_kv_is_mapped_back_after_the_update_before_the_sync(direct_calls):
+    log = []
+    p = _one_copy(log)
+    ps = _pairs(p)
+    ps.before_rollout()
+    ps.before_train()
+    ps.train_step(batch=None)
+    assert log == ["engine.release_kv", "trainer.train_step", "trainer.release_cached_memory", "engine.resume_kv"]
+    assert not p.kv_released
+    log.clear()
+    ps.before_rollout()                 # already mapped: nothing to do before the next rollout
+    assert log == []
+
+
+def test_without_kv_release_the_hooks_call_nothing(direct_calls):
+    log = []
+    ps = _pairs(_one_copy(log, release_kv=False))
+    ps.before_train()
+    ps.train_step(batch=None)
+    ps.before_rollout()
+    assert log == ["trainer.train_step"]
+
+
+def test_engine_refuses_to_score_on_a_released_cache():
+    from rlfp8.rollout.engine import RolloutEngine
+    eng = RolloutEngine.__new__(RolloutEngine)
+    eng.kv_released = True
+    with pytest.raises(RuntimeError, match="engine.score while the KV cache is released"):
+        eng.score([[1, 2, 3]], [1])
+    with pytest.raises(RuntimeError, match="engine.generate while the KV cache is released"):
+        eng.generate([[1, 2]], 1, 1.0, 4)
+
+
+def test_packed_tensors_round_trip_as_one_buffer(tmp_path):
+    """An adapter update pickles as one buffer per dtype and comes back equal, key order kept; a saved
+    folder of views is written (safetensors refuses shared storage otherwise); GPU tensors are refused."""
+    import pickle
+
+    import torch
+
+    from rlfp8.peft_format import PackedTensors, read_adapter_folder, write_adapter_folder
+    t = {f"m{i}.lora_{ab}.weight": torch.randn(3 + i, 4) for i in range(5) for ab in "AB"}
+    t["m0.lora_magnitude_vector"] = torch.randn(7, dtype=torch.float64)
+    flat = torch.cat([v.reshape(-1) for k, v in t.items() if v.dtype == torch.float32])
+    packed = PackedTensors.from_flat([k for k in t if t[k].dtype == torch.float32],
+                                     [tuple(v.shape) for v in t.values() if v.dtype == torch.float32], flat)
+    packed["m0.lora_magnitude_vector"] = t["m0.lora_magnitude_vector"]
+    back = pickle.loads(pickle.dumps(packed))
+    assert list(back) == list(packed)
+    assert all(torch.equal(back[k], packed[k]) and back[k].dtype == packed[k].dtype for k in packed)
+    storages = {back[k].untyped_storage().data_ptr() for k in back if back[k].dtype == torch.float32}
+    assert len(storages) == 1
+    write_adapter_folder(tmp_path / "a", back, {"r": 4})
+    _, loaded = read_adapter_folder(tmp_path / "a")
+    assert all(torch.equal(loaded[k], back[k]) for k in back)
+    bad = PackedTensors({"x": torch.zeros(2, device="meta")})
+    with pytest.raises(ValueError, match="x is on meta"):
+        pickle.dumps(bad)
