@@ -76,9 +76,18 @@ class CallMeter:
 
 
 def _size(obj) -> int:
+    """Bytes a call ships: tensors by their storage size (pickling an 8B model's adapter to measure it would cost
+    a second per step), the rest as pickled."""
+    import torch
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_size(k) + _size(v) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict)) for v in obj):
+        return sum(_size(v) for v in obj)
     try:
         return len(pickle.dumps(obj, protocol=5))
-    except Exception:           # noqa: BLE001 - tensors on a GPU, handles: size unknown, not an error
+    except Exception:           # noqa: BLE001 - handles and the like: size unknown, not an error
         return -1
 
 

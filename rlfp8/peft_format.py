@@ -36,15 +36,32 @@ class PackedTensors(dict):
                 raise ValueError(f"PackedTensors: {k} is on {t.device} {tuple(t.shape)}; adapter updates travel "
                                  "as CPU tensors")
             groups.setdefault(t.dtype, []).append(k)
-        parts = [(ks, [tuple(self[k].shape) for k in ks], torch.cat([self[k].reshape(-1) for k in ks]))
-                 for ks in groups.values()]
+        parts = [(ks, [tuple(self[k].shape) for k in ks], str(dtype).removeprefix("torch."),
+                  _as_numpy(torch.cat([self[k].reshape(-1) for k in ks])))
+                 for dtype, ks in groups.items()]
         return _unpack_tensors, (parts, list(self))
 
 
+def _as_numpy(flat: torch.Tensor):
+    """The buffer as a numpy array (bf16 and other dtypes numpy lacks: their bytes): pickle protocol 5 and Ray
+    carry numpy buffers out of band (one copy into Ray's object store, read in place on the same node), where a
+    torch tensor would be re-serialised through torch.save."""
+    if flat.dtype in (torch.float32, torch.float64, torch.float16, torch.int32, torch.int64):
+        return flat.numpy()
+    return flat.view(torch.uint8).numpy()
+
+
 def _unpack_tensors(parts, order: list[str]) -> PackedTensors:
+    """Views of the received buffers. From Ray they are its read-only shared memory, read in place: consumers
+    copy out (the engine into its slots, the driver's checksums) and never write them."""
+    import warnings
     views: dict[str, torch.Tensor] = {}
-    for keys, shapes, flat in parts:
-        views.update(PackedTensors.from_flat(keys, shapes, flat))
+    for keys, shapes, dtype_name, arr in parts:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            flat = torch.from_numpy(arr)
+        dtype = getattr(torch, dtype_name)
+        views.update(PackedTensors.from_flat(keys, shapes, flat if flat.dtype == dtype else flat.view(dtype)))
     return PackedTensors((k, views[k]) for k in order)
 
 

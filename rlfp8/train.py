@@ -275,11 +275,13 @@ def sync(r: Run, step: int) -> dict[str, float]:
     from rlfp8.rollout.adapter_slots import expected_checksums
     engine, trainer = r.placement.engine, r.placement.trainer
     dtype = getattr(torch, call(engine.lora_dtype).replace("torch.", ""))
+    with phase("driver/probe_checksums"):
+        expected = expected_checksums(update, dtype)
     return r.probe.check(version=update["version"], step=step,
                          engine_score=lambda q, p, a: call(engine.score, q, p, a),
                          trainer_score=lambda q, p: call(trainer.score_tokens, q, p),
                          engine_checksums=call(engine.slot_checksums),
-                         expected_checksums=expected_checksums(update, dtype))
+                         expected_checksums=expected)
 
 
 def make_probe(r: Run):

@@ -94,15 +94,18 @@ def test_packed_tensors_round_trip_as_one_buffer(tmp_path):
     from rlfp8.peft_format import PackedTensors, read_adapter_folder, write_adapter_folder
     t = {f"m{i}.lora_{ab}.weight": torch.randn(3 + i, 4) for i in range(5) for ab in "AB"}
     t["m0.lora_magnitude_vector"] = torch.randn(7, dtype=torch.float64)
+    t["m1.extra"] = torch.randn(5, dtype=torch.float64).to(torch.bfloat16)
     flat = torch.cat([v.reshape(-1) for k, v in t.items() if v.dtype == torch.float32])
     packed = PackedTensors.from_flat([k for k in t if t[k].dtype == torch.float32],
                                      [tuple(v.shape) for v in t.values() if v.dtype == torch.float32], flat)
     packed["m0.lora_magnitude_vector"] = t["m0.lora_magnitude_vector"]
+    packed["m1.extra"] = t["m1.extra"]
     back = pickle.loads(pickle.dumps(packed))
     assert list(back) == list(packed)
     assert all(torch.equal(back[k], packed[k]) and back[k].dtype == packed[k].dtype for k in packed)
     storages = {back[k].untyped_storage().data_ptr() for k in back if back[k].dtype == torch.float32}
     assert len(storages) == 1
+    assert back["m1.extra"].dtype == torch.bfloat16
     write_adapter_folder(tmp_path / "a", back, {"r": 4})
     _, loaded = read_adapter_folder(tmp_path / "a")
     assert all(torch.equal(loaded[k], back[k]) for k in back)
