@@ -35,6 +35,8 @@ CALL_PHASES = {
     "train_step": ("trainer/plan", "trainer/forward", "trainer/backward", "trainer/metrics", "trainer/optimizer"),
     "sync_adapters": ("trainer/export", "engine/set_adapter"),
     "score": ("engine/score",),
+    # the parity probe: both sides score at once, so these two rows overlap in time (the step's rows then sum to more)
+    "score+score_tokens+slot_checksums": ("engine/score", "trainer/score_tokens"),
 }
 
 
@@ -131,6 +133,9 @@ def main() -> int:
                                                      "save_every=0", "logger.wandb.mode=disabled"])
     meter = CallMeter(placement_pkg.call)
     placement_pkg.call = meter
+    together = placement_pkg.call_together
+    placement_pkg.call_together = lambda *calls: meter.timed(
+        "+".join(getattr(c[0], "_method_name", "?") for c in calls), together, *calls)
     t0 = time.perf_counter()
     r = train.setup(cfg, folder, resuming=False)
     setup_s = time.perf_counter() - t0

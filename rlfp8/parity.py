@@ -49,10 +49,18 @@ class ParityProbe:
 
     def check(self, *, version: int, step: int, engine_score: Callable, trainer_score: Callable,
               engine_checksums: dict[str, float], expected_checksums: dict[str, float]) -> dict[str, float]:
+        return self.check_scores(version=version, step=step,
+                                 engine_logprobs=engine_score(self.sequences, self.prompt_lens, True),
+                                 trainer_logprobs=trainer_score(self.sequences, self.prompt_lens),
+                                 engine_checksums=engine_checksums, expected_checksums=expected_checksums)
+
+    def check_scores(self, *, version: int, step: int, engine_logprobs: list[list[float]],
+                     trainer_logprobs: list[list[float]], engine_checksums: dict[str, float],
+                     expected_checksums: dict[str, float]) -> dict[str, float]:
+        """check() on scores already taken (the RL loop has both sides score at once)."""
         bad = sorted(k for k in set(engine_checksums) | set(expected_checksums)
                      if engine_checksums.get(k) != expected_checksums.get(k))
-        mean, mx = mean_abs_diff(engine_score(self.sequences, self.prompt_lens, True),
-                                 trainer_score(self.sequences, self.prompt_lens))
+        mean, mx = mean_abs_diff(engine_logprobs, trainer_logprobs)
         metrics = {"parity/logp_diff_mean": mean, "parity/logp_diff_max": mx, "parity/bound": self.bound,
                    "parity/floor": self.floor, "parity/slot_families_wrong": float(len(bad))}
         self.history.append({"step": step, "version": version, **metrics})

@@ -265,7 +265,7 @@ def update(r: Run, batch) -> dict[str, float]:
 def sync(r: Run, step: int) -> dict[str, float]:
     """Each trainer's adapter goes to its engine as tensors (an in-place slot update), then the parity probe
     (pair 0)."""
-    from rlfp8.placement import call
+    from rlfp8.placement import call, call_together
     update = r.placement.sync_adapters()
     every = r.cfg["engine"]["parity_probe"]["every"]
     if r.probe is None or update["version"] % every:
@@ -275,13 +275,13 @@ def sync(r: Run, step: int) -> dict[str, float]:
     from rlfp8.rollout.adapter_slots import expected_checksums
     engine, trainer = r.placement.engine, r.placement.trainer
     dtype = getattr(torch, call(engine.lora_dtype).replace("torch.", ""))
+    seqs, lens = r.probe.sequences, r.probe.prompt_lens          # both sides score at once (two processes)
+    engine_lp, trainer_lp, slots = call_together((engine.score, seqs, lens, True), (trainer.score_tokens, seqs, lens),
+                                                 (engine.slot_checksums,))
     with phase("driver/probe_checksums"):
         expected = expected_checksums(update, dtype)
-    return r.probe.check(version=update["version"], step=step,
-                         engine_score=lambda q, p, a: call(engine.score, q, p, a),
-                         trainer_score=lambda q, p: call(trainer.score_tokens, q, p),
-                         engine_checksums=call(engine.slot_checksums),
-                         expected_checksums=expected)
+    return r.probe.check_scores(version=update["version"], step=step, engine_logprobs=engine_lp,
+                                trainer_logprobs=trainer_lp, engine_checksums=slots, expected_checksums=expected)
 
 
 def make_probe(r: Run):

@@ -25,6 +25,13 @@ def call(actor_method, *args, **kwargs):
     return ray.get(actor_method.remote(*args, **kwargs))
 
 
+def call_together(*calls):
+    """Start several actor methods at once and wait for them all (actors work side by side):
+    call_together((engine.score, seqs, lens), (trainer.score_tokens, seqs, lens)) -> [engine's, trainer's]."""
+    import ray
+    return ray.get([method.remote(*args) for method, *args in calls])
+
+
 def placement_class(cfg: dict):
     name = cfg["placement"]["name"]
     if name not in STRATEGIES:

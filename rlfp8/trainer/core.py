@@ -356,6 +356,7 @@ class PolicyTrainer(TrainerInterface):
                 "memory/trainer_activations_gib": max(0, peak - getattr(self, "_allocated_at_start", peak)) / gib,
                 "memory/free_gib": torch.cuda.mem_get_info()[0] / gib}
 
+    @phase("trainer/score_tokens")
     def score_tokens(self, sequences: list[list[int]], prompt_lens: list[int], use_adapter: bool = True) -> list[list[float]]:
         """Log-probs (temperature 1) of each sequence's tokens after its prompt: the parity probe's trainer side."""
         batch = Rollouts(input_ids=sequences, prompt_lens=prompt_lens,
