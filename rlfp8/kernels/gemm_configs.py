@@ -32,8 +32,9 @@ from ._triton_utils import cdiv, next_pow2
 from .knobs import knobs
 
 __all__ = ["GLUON_SCHEDULE", "GemmConfig", "INVARIANT_SCHEDULES", "M_BUCKETS", "NUM_SMS_HINT", "WIDENINGS",
-           "ReductionSchedule", "batch_invariant", "config_key", "gemm_config", "invariant_gemm_config", "m_bucket",
-           "n_class", "reduction_schedule", "reload_tuned_table", "schedule_of", "tuned_table_path"]
+           "ReductionSchedule", "SM90_MAX_SMEM", "batch_invariant", "config_key", "fit_smem", "gemm_config",
+           "invariant_gemm_config", "m_bucket", "n_class", "reduction_schedule", "reload_tuned_table", "schedule_of",
+           "smem_bytes", "tuned_table_path"]
 
 # How W8A16 widens e4m3 weight tiles to bf16, per config (GemmConfig.widen; the PTX is in widen.py): all exact,
 # so all give the same bits; the interpreter always takes "cvt" (it cannot run inline PTX).
@@ -215,3 +216,56 @@ def invariant_gemm_config(mode: str, M: int, N: int, K: int, device=None) -> Gem
 
 
 _invariant: dict = {}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# shared memory: a config must fit the GPU's per-block limit with the adapter's rank (the epilogue's h tile
+# grows with it: r = 384 at 256-token tiles needed 256 KiB on sm_90, over its 227 KiB)
+SM90_MAX_SMEM = 232448      # H100/H200 max dynamic shared memory per block; the limit on CPU (compile, interpreter)
+SMEM_SLACK = 1024           # barriers and scalars beside the tiles (observed <= 40 bytes)
+
+
+def _main_loop_smem(cfg: GemmConfig, mode: str) -> int:
+    x_bytes = 1 if mode == "w8a8" else 2
+    main = cfg.num_stages * (cfg.block_n + cfg.block_m * x_bytes) * cfg.block_k
+    if not cfg.swap_ab and mode == "w8a16":         # the widened weight tile, the shared-memory MMA operand
+        main += cfg.block_n * cfg.block_k * 2
+    return main
+
+
+def _epilogue_smem(cfg: GemmConfig, rank: int) -> int:
+    return 2 * max(16, next_pow2(rank)) * cfg.block_m * 2 if rank else 0
+
+
+def smem_bytes(cfg: GemmConfig, mode: str, rank: int) -> int:
+    """Upper bound on K2's shared memory with this config and LoRA rank (0 = no adapter): the largest of
+      main loop  num_stages · (BLOCK_N·BLOCK_K fp8 weight tile + BLOCK_M·BLOCK_K x tile (2 bytes W8A16, 1 W8A8)),
+                 plus the widened weight tile BLOCK_N·BLOCK_K·2 in W8A16 with tokens on M (swap_ab False);
+      epilogue   the h tile as the 16-bit MMA operand, twice (bf16x2's hi and lo): 2 · BLOCK_R·BLOCK_M·2,
+                 BLOCK_R = next_pow2(rank) >= 16;
+      transpose  tokens on M: the accumulator's transpose BLOCK_N·BLOCK_M·4;
+    which the compiler does not keep live together (it reuses the main loop's buffers after the loop), plus
+    SMEM_SLACK. Checked against the sm_90a compiler's own numbers (tests/kernel/test_gemm_smem_fit.py and
+    the configs of tests/kernel/test_compile_sm90.py)."""
+    transpose = 0 if cfg.swap_ab else cfg.block_n * cfg.block_m * 4
+    return max(_main_loop_smem(cfg, mode), _epilogue_smem(cfg, rank), transpose) + SMEM_SLACK
+
+
+def fit_smem(cfg: GemmConfig, mode: str, rank: int, limit: int) -> GemmConfig:
+    """cfg, or the nearest config whose smem_bytes fit `limit`: fewer stages (down to 2) while the main loop
+    is the larger part, else a token tile half as wide (BLOCK_M, down to 16), else fewer stages down to 1.
+    Never BLOCK_K, SPLIT_K or swap_ab: the reduction schedule, hence batch invariance and the engine/trainer
+    match, stays as chosen (which tile a row lands in does not change its sums). ValueError when nothing fits."""
+    fitted = cfg
+    while smem_bytes(fitted, mode, rank) > limit:
+        main_bound = _main_loop_smem(fitted, mode) >= _epilogue_smem(fitted, rank)
+        if main_bound and fitted.num_stages > 2:
+            fitted = dataclasses.replace(fitted, num_stages=fitted.num_stages - 1)
+        elif fitted.block_m > 16:
+            fitted = dataclasses.replace(fitted, block_m=fitted.block_m // 2)
+        elif fitted.num_stages > 1:
+            fitted = dataclasses.replace(fitted, num_stages=fitted.num_stages - 1)
+        else:
+            raise ValueError(f"rlfp8.kernels.lora_gemm: no config derived from {cfg} fits {limit} bytes of shared "
+                             f"memory at rank {rank} ({mode}); the smallest needs {smem_bytes(fitted, mode, rank)}")
+    return fitted
