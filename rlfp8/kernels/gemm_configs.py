@@ -234,15 +234,20 @@ def _main_loop_smem(cfg: GemmConfig, mode: str) -> int:
 
 
 def _epilogue_smem(cfg: GemmConfig, rank: int) -> int:
-    return 2 * max(16, next_pow2(rank)) * cfg.block_m * 2 if rank else 0
+    if not rank:
+        return 0
+    h_tile = max(16, next_pow2(rank)) * cfg.block_m * 2          # [BLOCK_R, BLOCK_M] 16-bit
+    b_tile = cfg.block_n * max(16, next_pow2(rank)) * 2          # [BLOCK_N, BLOCK_R] 16-bit
+    return max(2 * h_tile, b_tile + h_tile)
 
 
 def smem_bytes(cfg: GemmConfig, mode: str, rank: int) -> int:
     """Upper bound on K2's shared memory with this config and LoRA rank (0 = no adapter): the largest of
       main loop  num_stages · (BLOCK_N·BLOCK_K fp8 weight tile + BLOCK_M·BLOCK_K x tile (2 bytes W8A16, 1 W8A8)),
                  plus the widened weight tile BLOCK_N·BLOCK_K·2 in W8A16 with tokens on M (swap_ab False);
-      epilogue   the h tile as the 16-bit MMA operand, twice (bf16x2's hi and lo): 2 · BLOCK_R·BLOCK_M·2,
-                 BLOCK_R = next_pow2(rank) >= 16;
+      epilogue   the h tile [BLOCK_R, BLOCK_M] as the 16-bit MMA operand twice (bf16x2's hi and lo), or once
+                 beside the B tile [BLOCK_N, BLOCK_R] (staged through shared memory when registers run out,
+                 as at BLOCK_R = 512): max(2·h, B + h), 2 bytes per element, BLOCK_R = next_pow2(rank) >= 16;
       transpose  tokens on M: the accumulator's transpose BLOCK_N·BLOCK_M·4;
     which the compiler does not keep live together (it reuses the main loop's buffers after the loop), plus
     SMEM_SLACK. Checked against the sm_90a compiler's own numbers (tests/kernel/test_gemm_smem_fit.py and
@@ -253,14 +258,17 @@ def smem_bytes(cfg: GemmConfig, mode: str, rank: int) -> int:
 
 def fit_smem(cfg: GemmConfig, mode: str, rank: int, limit: int) -> GemmConfig:
     """cfg, or the nearest config whose smem_bytes fit `limit`: fewer stages (down to 2) while the main loop
-    is the larger part, else a token tile half as wide (BLOCK_M, down to 16), else fewer stages down to 1.
+    is the larger part; else, for the epilogue, half the weight rows (BLOCK_N, down to 64) while the B tile is
+    larger than the h tile, half the tokens (BLOCK_M, down to 16) otherwise; then fewer stages down to 1.
     Never BLOCK_K, SPLIT_K or swap_ab: the reduction schedule, hence batch invariance and the engine/trainer
     match, stays as chosen (which tile a row lands in does not change its sums). ValueError when nothing fits."""
     fitted = cfg
     while smem_bytes(fitted, mode, rank) > limit:
-        main_bound = _main_loop_smem(fitted, mode) >= _epilogue_smem(fitted, rank)
-        if main_bound and fitted.num_stages > 2:
+        main, epilogue = _main_loop_smem(fitted, mode), _epilogue_smem(fitted, rank)
+        if main >= epilogue and fitted.num_stages > 2:
             fitted = dataclasses.replace(fitted, num_stages=fitted.num_stages - 1)
+        elif main < epilogue and fitted.block_n > max(64, fitted.block_m):     # the B tile is the larger
+            fitted = dataclasses.replace(fitted, block_n=fitted.block_n // 2)
         elif fitted.block_m > 16:
             fitted = dataclasses.replace(fitted, block_m=fitted.block_m // 2)
         elif fitted.num_stages > 1:
