@@ -188,7 +188,8 @@ def main(argv=None):
             row["shape"], row["dispatch"] = name, dispatch.report()
             rows.append(row)
             print(json.dumps({k: row[k] for k in ("shape", "rank", "ms", "ratio_ours_vs_peft", "ratio_dora_vs_lora",
-                                                  "norm_mem_ratio_vs_peft")}), flush=True)
+                                                  "norm_transient_bytes", "norm_mem_ratio_vs_peft",
+                                                  "peak_bytes_above_resident")}), flush=True)
             torch.cuda.empty_cache()
     out = {"command": " ".join(["python", "bench/dora.py", *(argv if argv is not None else sys.argv[1:])]),
            "versions": _versions(), "precompile": info, "rows": rows, "verdicts": verdicts(rows)}

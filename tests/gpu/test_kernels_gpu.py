@@ -467,15 +467,14 @@ def _forward_workspaces(x, q, sw, A, B, s) -> tuple[list[int], list[str]]:
         lora_linear_triton(x.detach(), q, sw, A.detach(), B.detach(), s)
     workspaces, configs = [], []
     for kernel, _grid, args, kw in rec:
-        if kernel.fn.__name__ not in ("_lora_gemm_kernel", "_lora_gemm_rs_kernel"):
-            continue
-        named = dict(zip(kernel.arg_names, args))
-        split = kw.get("SPLIT_K", 1)
-        configs.append(f"{kernel.fn.__name__} BLOCK_N={kw.get('BLOCK_N', kw.get('BN'))} "
-                       f"BLOCK_M={kw.get('BLOCK_M', kw.get('BM'))} BLOCK_K={kw.get('BLOCK_K', kw.get('BK'))} "
-                       f"SPLIT_K={split}")
-        if split > 1:                                  # part_ptr is the fp32 [SPLIT_K, M_pad, N_pad] workspace
-            workspaces.append(named["part_ptr"].numel() * named["part_ptr"].element_size())
+        if kernel.fn.__name__ == "_lora_gemm_rs_kernel":
+            configs.append("gluon_rs (no split-K)")
+        elif kernel.fn.__name__ == "_lora_gemm_kernel":
+            configs.append(f"BLOCK_N={kw['BLOCK_N']} BLOCK_M={kw['BLOCK_M']} BLOCK_K={kw['BLOCK_K']} "
+                           f"SPLIT_K={kw['SPLIT_K']}")
+            if kw["SPLIT_K"] > 1:                      # part_ptr: the fp32 [SPLIT_K, M_pad, N_pad] workspace
+                part = dict(zip(kernel.arg_names, args))["part_ptr"]
+                workspaces.append(part.numel() * part.element_size())
     return workspaces, configs
 
 
