@@ -22,6 +22,7 @@ shrink (K1) pins its own schedule (shrink_triton.invariant_shrink_config). Costs
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -256,6 +257,7 @@ def smem_bytes(cfg: GemmConfig, mode: str, rank: int) -> int:
     return max(_main_loop_smem(cfg, mode), _epilogue_smem(cfg, rank), transpose) + SMEM_SLACK
 
 
+@functools.lru_cache(maxsize=4096)      # called per launch; configs are frozen (hashable)
 def fit_smem(cfg: GemmConfig, mode: str, rank: int, limit: int) -> GemmConfig:
     """cfg, or the nearest config whose smem_bytes fit `limit`: fewer stages (down to 2) while the main loop
     is the larger part; else, for the epilogue, half the weight rows (BLOCK_N, down to 64) while the B tile is
