@@ -75,7 +75,7 @@ def _dy_prep_kernel(dy_ptr, sw_ptr, b_ptr, gy_ptr, dh_ptr, T, N, R, N_CHUNK,
 
 def dy_prep_smem(block_t: int, block_n: int, rank: int, num_stages: int) -> int:
     """Upper bound on _dy_prep_kernel's shared memory: num_stages · (the dy tile BLOCK_T·BLOCK_N + the B_c tile
-    BLOCK_N·BLOCK_R, 16-bit each) + SMEM_SLACK (sm_90a compiler: 416 KiB at r = 384, BLOCK_R = 512, 3 stages)."""
+    BLOCK_N·BLOCK_R, 16-bit each) + SMEM_SLACK (checked against the compiler: tests/kernel/test_gemm_smem_fit.py)."""
     block_r = max(16, next_pow2(rank)) if rank else 0
     return num_stages * (block_t + block_r) * block_n * 2 + SMEM_SLACK
 
