@@ -86,7 +86,7 @@ round_kernels)   # one call: kernel-level GPU tests, then the PDL timeline, the 
     echo "pdl_timeline rc=$?"; tail -30 "$OUT/pdl_timeline.log"
     timeout 130 $PY bench/lab/invariant_configs.py --out "$OUT/r/invariant_configs_h200.json" > "$OUT/invariant.log" 2>&1
     echo "invariant_configs rc=$?"; tail -30 "$OUT/invariant.log"
-    timeout 60 $PY bench/dora.py --ranks 384 --rounds 10 --out "$OUT/r/dora_h200.json" > "$OUT/dora.log" 2>&1
+    timeout 120 $PY bench/dora.py --ranks 384 --rounds 10 --out "$OUT/r/dora_h200.json" > "$OUT/dora.log" 2>&1
     echo "dora rc=$?"; tail -15 "$OUT/dora.log"
     ;;
 round_engine)    # one call: quickstart learning runs (background, small KV) beside the engine-level GPU tests

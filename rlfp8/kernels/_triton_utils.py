@@ -119,6 +119,22 @@ def require_triton_device(op: str, *tensors) -> None:
                            "for the CPU interpreter); use backend 'torch' on the CPU")
 
 
+_MAX_SMEM: dict[int, int] = {}
+
+
+def max_shared_mem(device, cpu_stand_in: int) -> int:
+    """The per-block shared-memory limit (bytes) of a CUDA device, as Triton's driver reports it (the number it
+    checks launches against); `cpu_stand_in` for CPU tensors (the interpreter, the sm_90a compile test)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return cpu_stand_in
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx not in _MAX_SMEM:
+        from triton.runtime import driver
+        _MAX_SMEM[idx] = int(driver.active.utils.get_device_properties(idx)["max_shared_mem"])
+    return _MAX_SMEM[idx]
+
+
 _counter_cache: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 

@@ -22,6 +22,7 @@ shrink (K1) pins its own schedule (shrink_triton.invariant_shrink_config). Costs
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,8 +33,9 @@ from ._triton_utils import cdiv, next_pow2
 from .knobs import knobs
 
 __all__ = ["GLUON_SCHEDULE", "GemmConfig", "INVARIANT_SCHEDULES", "M_BUCKETS", "NUM_SMS_HINT", "WIDENINGS",
-           "ReductionSchedule", "batch_invariant", "config_key", "gemm_config", "invariant_gemm_config", "m_bucket",
-           "n_class", "reduction_schedule", "reload_tuned_table", "schedule_of", "tuned_table_path"]
+           "ReductionSchedule", "SM90_MAX_SMEM", "batch_invariant", "config_key", "fit_smem", "gemm_config",
+           "invariant_gemm_config", "m_bucket", "n_class", "reduction_schedule", "reload_tuned_table", "schedule_of",
+           "smem_bytes", "tuned_table_path"]
 
 # How W8A16 widens e4m3 weight tiles to bf16, per config (GemmConfig.widen; the PTX is in widen.py): all exact,
 # so all give the same bits; the interpreter always takes "cvt" (it cannot run inline PTX).
@@ -215,3 +217,65 @@ def invariant_gemm_config(mode: str, M: int, N: int, K: int, device=None) -> Gem
 
 
 _invariant: dict = {}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# shared memory: a config must fit the GPU's per-block limit at the adapter's rank (the epilogue's h and B
+# tiles grow with it; the compiler's numbers are in bench/README.md, `dora.py` section)
+SM90_MAX_SMEM = 232448      # H100/H200 max dynamic shared memory per block; the limit on CPU (compile, interpreter)
+SMEM_SLACK = 1024           # barriers and scalars beside the tiles
+
+
+def _main_loop_smem(cfg: GemmConfig, mode: str) -> int:
+    x_bytes = 1 if mode == "w8a8" else 2
+    main = cfg.num_stages * (cfg.block_n + cfg.block_m * x_bytes) * cfg.block_k
+    if not cfg.swap_ab and mode == "w8a16":         # the widened weight tile, the shared-memory MMA operand
+        main += cfg.block_n * cfg.block_k * 2
+    return main
+
+
+def _epilogue_smem(cfg: GemmConfig, rank: int) -> int:
+    if not rank:
+        return 0
+    h_tile = max(16, next_pow2(rank)) * cfg.block_m * 2          # [BLOCK_R, BLOCK_M] 16-bit
+    b_tile = cfg.block_n * max(16, next_pow2(rank)) * 2          # [BLOCK_N, BLOCK_R] 16-bit
+    return max(2 * h_tile, b_tile + h_tile)
+
+
+def smem_bytes(cfg: GemmConfig, mode: str, rank: int) -> int:
+    """Upper bound on K2's shared memory with this config and LoRA rank (0 = no adapter): the largest of
+      main loop  num_stages · (BLOCK_N·BLOCK_K fp8 weight tile + BLOCK_M·BLOCK_K x tile (2 bytes W8A16, 1 W8A8)),
+                 plus the widened weight tile BLOCK_N·BLOCK_K·2 in W8A16 with tokens on M (swap_ab False);
+      epilogue   the h tile [BLOCK_R, BLOCK_M] as the 16-bit MMA operand twice (bf16x2's hi and lo), or once
+                 beside the B tile [BLOCK_N, BLOCK_R] (staged through shared memory when registers run out,
+                 as at BLOCK_R = 512): max(2·h, B + h), 2 bytes per element, BLOCK_R = next_pow2(rank) >= 16;
+      transpose  tokens on M: the accumulator's transpose BLOCK_N·BLOCK_M·4;
+    which the compiler does not keep live together (it reuses the main loop's buffers after the loop), plus
+    SMEM_SLACK. Checked against the sm_90a compiler's own numbers (tests/kernel/test_gemm_smem_fit.py: a
+    sample of both orientations and modes, and every config fit_smem produces at ranks 256 and 384)."""
+    transpose = 0 if cfg.swap_ab else cfg.block_n * cfg.block_m * 4
+    return max(_main_loop_smem(cfg, mode), _epilogue_smem(cfg, rank), transpose) + SMEM_SLACK
+
+
+@functools.lru_cache(maxsize=4096)      # called per launch; configs are frozen (hashable)
+def fit_smem(cfg: GemmConfig, mode: str, rank: int, limit: int) -> GemmConfig:
+    """cfg, or the nearest config whose smem_bytes fit `limit`: fewer stages (down to 2) while the main loop
+    is the larger part; else, for the epilogue, half the weight rows (BLOCK_N, down to 64) while the B tile is
+    larger than the h tile, half the tokens (BLOCK_M, down to 16) otherwise; then fewer stages down to 1.
+    Never BLOCK_K, SPLIT_K or swap_ab: the reduction schedule, hence batch invariance and the engine/trainer
+    match, stays as chosen (which tile a row lands in does not change its sums). ValueError when nothing fits."""
+    fitted = cfg
+    while smem_bytes(fitted, mode, rank) > limit:
+        main, epilogue = _main_loop_smem(fitted, mode), _epilogue_smem(fitted, rank)
+        if main >= epilogue and fitted.num_stages > 2:
+            fitted = dataclasses.replace(fitted, num_stages=fitted.num_stages - 1)
+        elif main < epilogue and fitted.block_n > max(64, fitted.block_m):     # the B tile is the larger
+            fitted = dataclasses.replace(fitted, block_n=fitted.block_n // 2)
+        elif fitted.block_m > 16:
+            fitted = dataclasses.replace(fitted, block_m=fitted.block_m // 2)
+        elif fitted.num_stages > 1:
+            fitted = dataclasses.replace(fitted, num_stages=fitted.num_stages - 1)
+        else:
+            raise ValueError(f"rlfp8.kernels.lora_gemm: no config derived from {cfg} fits {limit} bytes of shared "
+                             f"memory at rank {rank} ({mode}); the smallest needs {smem_bytes(fitted, mode, rank)}")
+    return fitted

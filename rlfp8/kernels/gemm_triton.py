@@ -71,10 +71,10 @@ import triton
 import triton.language as tl
 
 from . import dispatch
-from ._triton_utils import (cdiv, check_pdl, check_tensor, launch, next_pow2, require_triton_device,
-                            split_counters)
-from .gemm_configs import (GLUON_SCHEDULE, M_BUCKETS, WIDENINGS, GemmConfig, batch_invariant, gemm_config,
-                           invariant_gemm_config, m_bucket, schedule_of)
+from ._triton_utils import (cdiv, check_pdl, check_tensor, launch, max_shared_mem, next_pow2,
+                            require_triton_device, split_counters)
+from .gemm_configs import (GLUON_SCHEDULE, M_BUCKETS, SM90_MAX_SMEM, WIDENINGS, GemmConfig, batch_invariant,
+                           fit_smem, gemm_config, invariant_gemm_config, m_bucket, schedule_of)
 from .knobs import knobs
 from .gemm_ref import check_lora_gemm_args
 from .metadata import LoRAMeta
@@ -477,6 +477,15 @@ def _pick_config(config, mode, M, N, K, q, dev) -> tuple[GemmConfig, bool]:
     return cfg, invariant
 
 
+def _fit_to_device(cfg, mode, rank, device) -> GemmConfig:
+    """The chosen (tuned, heuristic or invariant) config, reduced where its shared memory at this rank would
+    exceed the device's limit (gemm_configs.fit_smem); dispatch records "lora_gemm.smem" = fits | fit_smem.
+    An explicit config is the caller's to size and is launched as given."""
+    fitted = fit_smem(cfg, mode, rank, max_shared_mem(device, SM90_MAX_SMEM))
+    dispatch.record(f"{OP}.smem", "fits" if fitted == cfg else "fit_smem")
+    return fitted
+
+
 def _split_k_buffers(cfg, m_tiles, n_tiles, dist_red, out):
     """(partials workspace, tile counters) for split-K; unused placeholders without it."""
     if cfg.split_k == 1:
@@ -585,6 +594,8 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
         x = x.contiguous()
     cfg, invariant = _pick_config(config, mode, M, N, K, q, x.device)
     has_lora = slices is not None and not (meta is not None and meta.no_lora)
+    if config is None:
+        cfg = _fit_to_device(cfg, mode, slices[0].shape[2] if has_lora else 0, x.device)
     gather = (meta is not None and has_lora) if gather is None else (gather and meta is not None)
     big_w8a16 = (mode == "w8a16" and config is None and m_bucket(M) == M_BUCKETS[-1]
                  and not dispatch.triton_interpreting())

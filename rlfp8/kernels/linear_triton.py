@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from . import dispatch
-from ._triton_utils import check_tensor, launch, next_pow2, require_triton_device
-from .gemm_configs import NUM_SMS_HINT
+from ._triton_utils import check_tensor, launch, max_shared_mem, next_pow2, require_triton_device
+from .gemm_configs import NUM_SMS_HINT, SM90_MAX_SMEM, SMEM_SLACK
 from .gemm_triton import lora_gemm_triton
 from .shrink_triton import lora_shrink_triton
 
@@ -73,6 +73,30 @@ def _dy_prep_kernel(dy_ptr, sw_ptr, b_ptr, gy_ptr, dh_ptr, T, N, R, N_CHUNK,
                  mask=t_ok[:, None] & r_ok[None, :])
 
 
+def dy_prep_smem(block_t: int, block_n: int, rank: int, num_stages: int) -> int:
+    """Upper bound on _dy_prep_kernel's shared memory: num_stages · (the dy tile BLOCK_T·BLOCK_N + the B_c tile
+    BLOCK_N·BLOCK_R, 16-bit each) + SMEM_SLACK (checked against the compiler: tests/kernel/test_gemm_smem_fit.py)."""
+    block_r = max(16, next_pow2(rank)) if rank else 0
+    return num_stages * (block_t + block_r) * block_n * 2 + SMEM_SLACK
+
+
+def fit_dy_prep(block_t: int, block_n: int, rank: int, num_stages: int, limit: int) -> tuple[int, int]:
+    """(block_n, num_stages) within `limit` bytes: fewer stages down to 2, then narrower column tiles (down to
+    16), then 1 stage. dh stays deterministic (the column chunks are whole tiles, summed in chunk order); the
+    backward has no engine counterpart to match. ValueError when nothing fits."""
+    while dy_prep_smem(block_t, block_n, rank, num_stages) > limit:
+        if num_stages > 2:
+            num_stages -= 1
+        elif block_n > 16:
+            block_n //= 2
+        elif num_stages > 1:
+            num_stages -= 1
+        else:
+            raise ValueError(f"rlfp8.kernels.{OP}.dy_prep: no tile fits {limit} bytes of shared memory at rank "
+                             f"{rank} (BLOCK_T {block_t})")
+    return block_n, num_stages
+
+
 def dy_prep_triton(dy: torch.Tensor, w_scale: torch.Tensor, B_c: torch.Tensor | None = None,
                    block_t: int = 64, block_n: int = 128, chunks: int | None = None, num_warps: int = 8,
                    num_stages: int = 3):
@@ -93,6 +117,9 @@ def dy_prep_triton(dy: torch.Tensor, w_scale: torch.Tensor, B_c: torch.Tensor | 
     dispatch.record(f"{OP}.dy_prep", "triton")
     gy = torch.empty((T, N), dtype=dy.dtype, device=dy.device)
     r = B_c.shape[1] if B_c is not None else 0
+    fitted = fit_dy_prep(block_t, block_n, r, num_stages, max_shared_mem(dy.device, SM90_MAX_SMEM))
+    dispatch.record(f"{OP}.dy_prep_smem", "fits" if fitted == (block_n, num_stages) else "fit_smem")
+    block_n, num_stages = fitted
     if T == 0 or N == 0:
         return gy, (torch.zeros((T, r), dtype=torch.float32, device=dy.device) if B_c is not None else None)
     t_blocks = triton.cdiv(T, block_t)
