@@ -105,6 +105,32 @@ trace)     # bench/lab/trainer_trace.py: the trainer's update without Ray, profi
     echo "trainer_trace rc=$?"; grep -v "^INFO\|^WARNING" "$OUT/trace.log" | tail -8
     tar czf "$OUT/trace.tgz" -C "$OUT" trace && rm -rf "$OUT/trace"
     ;;
+final_a)   # one call: the learning study + a one_copy quickstart + rlfp8-diagnose (background) beside the GPU tests
+    mkdir -p "$OUT/r"
+    STUDY_PARALLEL=${STUDY_PARALLEL:-5} bash "$0" study > "$OUT/study_stage.log" 2>&1 &
+    study=$!
+    RUNS="one_copy:placement=one_copy,engine.kv_cache_memory_gb=4" LEARN_OUT=learn_one_copy_h200 RUN_TIMEOUT=420 \
+        bash "$0" learn > "$OUT/learn_one_copy.log" 2>&1 &
+    learn=$!
+    sleep 20; MODEL=smollm2 bash "$0" diagnose engine.kv_cache_memory_gb=4 > "$OUT/diagnose_stage.log" 2>&1 &
+    diag=$!
+    timeout 330 $PY -m pytest tests/gpu/test_kernels_gpu.py tests/gpu/test_dora_gpu.py tests/gpu/test_pdl_gpu.py \
+        ${EXTRA_GPU_TESTS:-} -m gpu -q -rs --timeout 300 > "$OUT/gpu_kernel_tests.log" 2>&1; echo "kernel tests rc=$?"
+    tail -25 "$OUT/gpu_kernel_tests.log"
+    wait $diag; cat "$OUT/diagnose_stage.log"; wait $learn; cat "$OUT/learn_one_copy.log"; wait $study; cat "$OUT/study_stage.log"
+    tar czf "$OUT/final_a.tgz" -C "$OUT" study learn diagnose_smollm2 r 2>/dev/null && rm -rf "$OUT/study" "$OUT/learn" "$OUT/diagnose_smollm2"
+    ;;
+final_b)   # one call, nothing else on the GPU: the kernel benchmark (tuned and invariant), DoRA, the trainer trace, the step profile
+    mkdir -p "$OUT/r"
+    for bi in off auto; do
+        timeout 150 $PY bench/kernels.py --batch-invariant $bi --out "$OUT/r/kernels_bi_${bi}_h200.json" > "$OUT/kernels_$bi.log" 2>&1
+        echo "kernels ($bi) rc=$?"; grep -A12 -i "acceptance" "$OUT/kernels_$bi.log" | head -14
+    done
+    timeout 150 $PY bench/dora.py --ranks 384 --rounds 10 --out "$OUT/r/dora_h200.json" > "$OUT/dora.log" 2>&1
+    echo "dora rc=$?"; tail -25 "$OUT/dora.log"
+    TRACE_ARGS="${TRACE_ARGS:---micro-batches 8192 --steps 3}" bash "$0" trace
+    PROFILE_STEPS=${PROFILE_STEPS:-5} bash "$0" profile
+    ;;
 diagnose)  # one model per call (10-minute limit); MODEL=qwen3_8b_shape: random weights at Qwen3-8B's layer shapes
     shift
     extra=(); [ "${MODEL:-smollm2}" = qwen3_8b_shape ] && extra=(diagnose.random_model=qwen3_8b diagnose.random_layers=4)

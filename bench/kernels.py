@@ -730,6 +730,9 @@ def _args(argv):
     ap.add_argument("--only-train", action="store_true", help="only the training rows (no layer/gemm rows)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/kernels_h200.json"))
     ap.add_argument("--update-readme", action="store_true", help="replace the results table in bench/README.md")
+    ap.add_argument("--batch-invariant", choices=("auto", "on", "off"), default="auto",
+                    help="kernels.batch_invariant for every row (auto: on for W8A16, the matched engine's schedules; "
+                         "off: the tuned configs, which the W8A8 engine and a trainer without a w8a16 engine use)")
     return ap.parse_args(argv)
 
 
@@ -857,6 +860,9 @@ def main(argv=None):
         log(f"note: --reps {a.reps} < 50 (the issue asks for a median of >= 50)")
     assert torch.cuda.is_available(), "bench/kernels.py needs a CUDA GPU"
     dispatch.set_backend("triton")
+    from rlfp8.kernels.knobs import set_knobs
+    set_knobs(batch_invariant=a.batch_invariant)
+    log(f"kernels.batch_invariant={a.batch_invariant}")
     torch.backends.cuda.matmul.allow_tf32 = False
     vl = VLLM()
     log(f"GPU {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, "
