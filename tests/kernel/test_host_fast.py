@@ -115,3 +115,21 @@ def test_bad_casts_name_the_tensors():
     A, B = torch.zeros(4, 16), torch.zeros(8, 4)
     with pytest.raises(ValueError, match=r"casts\(torch.bfloat16\) returned A_c torch.float32"):
         linear_triton._adapter_operands(A, B, 1.0, torch.bfloat16, lambda dtype: (A, B))
+
+
+def test_cached_launch_configs_equal_the_fresh_choice_and_follow_the_knobs():
+    from rlfp8.kernels import gemm_triton
+    q = torch.zeros(4096, 1024, dtype=torch.float8_e4m3fn)
+    dev = torch.device("cpu")
+    for batch_inv in ("auto", "off"):
+        for M in (1, 16, 17, 100, 512, 513, 8192):
+            for w in (q, q.t()):                          # the forward's codes and the backward's qᵀ view
+                N, K = w.shape
+                saved = set_knobs(host_fast=False, batch_invariant=batch_inv)
+                try:
+                    fresh = gemm_triton._pick_config(None, "w8a16", M, N, K, w, dev)
+                    set_knobs(host_fast=True)
+                    cached = [gemm_triton._pick_config(None, "w8a16", M, N, K, w, dev) for _ in range(2)]
+                finally:
+                    restore_knobs(saved)
+                assert cached[0] == cached[1] == fresh, (batch_inv, M, tuple(w.shape))
