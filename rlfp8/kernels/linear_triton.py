@@ -241,6 +241,8 @@ def lora_backward_triton(dy, x2, q, w_scale, A_c, B_c, h, lora_scale: float, x_s
     # dA and dB are skinny, memory-bound GEMMs: on CUDA they may run on a side stream while the main stream
     # runs the compute-bound dx GEMM (dB needs only dy and h: it starts at once; dA waits for dh)
     side = _side_stream_for(dy2, x2.shape[1])
+    if dy2.is_cuda:
+        dispatch.record(f"{OP}.grad_stream", "side" if side is not None else "main")
     main = torch.cuda.current_stream(dy2.device) if side is not None else None     # looked up once
     if side is not None:
         side.wait_stream(main)
