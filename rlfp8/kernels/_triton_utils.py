@@ -10,7 +10,6 @@ from typing import Any, Sequence
 import torch
 
 from . import dispatch
-from .knobs import knobs
 
 _collector: list | None = None
 
@@ -26,112 +25,13 @@ def next_pow2(n: int) -> int:
 def launch(kernel, grid, *args, **kwargs):
     """kernel[grid](*args, **kwargs), or record the call while `collect_launches()` is active.
 
-    launch_pdl is dropped unless it is True: the interpreter ignores it and on GPU it is only needed on.
-    On a GPU with the knob host_fast, a call whose specialization was launched before skips Triton's binder
-    and cache lookup (_cached_launch); dispatch records "triton.launch" = cached | jit."""
+    launch_pdl is dropped unless it is True: the interpreter ignores it and on GPU it is only needed on."""
     if kwargs.get("launch_pdl") is False:
         kwargs.pop("launch_pdl")
     if _collector is not None:
         _collector.append((kernel, tuple(grid), args, dict(kwargs)))
         return None
-    if knobs().host_fast and not dispatch.triton_interpreting():
-        return _cached_launch(kernel, tuple(grid), args, kwargs)
     return kernel[tuple(grid)](*args, **kwargs)
-
-
-_UNCACHED = object()          # an argument the launch cache does not key (TMA descriptors...): Triton's own path
-_launch_cache: dict = {}      # (kernel, device, argument key) -> (CompiledKernel, parameter names after args)
-
-
-def _arg_key(a, constexpr: bool):
-    """What Triton specializes on for one argument, or finer (a finer key only costs cache entries):
-    tensors by dtype and 16-byte alignment, ints by type range, == 1 and % 16 (constexprs by value)."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    if isinstance(a, bool) or a is None or constexpr:
-        return (type(a), a) if _hashable(a) else _UNCACHED
-    if isinstance(a, int):
-        return int, a == 1, a % 16 == 0, -2 ** 31 <= a < 2 ** 31, a < 2 ** 63
-    if isinstance(a, float):
-        return float
-    return _UNCACHED
-
-
-def _hashable(a) -> bool:
-    try:
-        hash(a)
-        return True
-    except TypeError:
-        return False
-
-
-def _launch_key(kernel, args, kwargs):
-    """The cache key of one launch, or None where an argument is not keyed (then Triton's own path runs)."""
-    import triton
-    params = kernel.params
-    if len(args) > len(params) or kernel.pre_run_hooks:
-        return None
-    key = [kernel, triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode]
-    for p, a in zip(params, args):
-        k = _arg_key(a, p.is_constexpr)
-        if k is _UNCACHED:
-            return None
-        key.append(k)
-    for name, a in kwargs.items():           # constexprs and launch options (num_warps, ...): by value
-        k = _arg_key(a, not isinstance(a, torch.Tensor))
-        if k is _UNCACHED:
-            return None
-        key.append((name, k))
-    return tuple(key)
-
-
-def _cached_launch(kernel, grid, args, kwargs):
-    """kernel[grid](*args, **kwargs) with Triton's binder, cache-key and compile checks done once per key:
-    afterwards the CompiledKernel that the first call returned is launched directly with the arguments in
-    signature order, as JITFunction.run launches it (triton 3.6)."""
-    from triton import knobs as tknobs
-    from triton.runtime.driver import driver
-    key = _launch_key(kernel, args, kwargs)
-    device = driver.active.get_current_device()
-    hit = _launch_cache.get((device, key)) if key is not None else None
-    if hit is None or not _globals_unchanged(kernel):
-        dispatch.record("triton.launch", "jit")
-        compiled = kernel[grid](*args, **kwargs)
-        rest = _rest_params(kernel, len(args), kwargs)
-        if key is not None and rest is not None and compiled is not None and not hasattr(compiled, "result"):
-            _launch_cache[(device, key)] = (compiled, rest)
-        return compiled
-    dispatch.record("triton.launch", "cached")
-    compiled, rest = hit
-    bound = _bound_args(args, kwargs, rest)
-    stream = driver.active.get_current_stream(device)
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    compiled.run(grid[0], g1, g2, stream, compiled.function, compiled.packed_metadata,
-                 compiled.launch_metadata(grid, stream, *bound), tknobs.runtime.launch_enter_hook,
-                 tknobs.runtime.launch_exit_hook, *bound)
-    return compiled
-
-
-def _rest_params(kernel, n_args: int, kwargs: dict):
-    """((name, default), ...) of the parameters after the positional ones, or None if one is missing."""
-    rest = kernel.params[n_args:]
-    if not all(p.name in kwargs or p.has_default for p in rest):
-        return None
-    return tuple((p.name, p.default) for p in rest)
-
-
-def _bound_args(args, kwargs, rest) -> tuple:
-    """Every parameter's value in signature order: what JITFunction.run passes to the launcher."""
-    return (*args, *(kwargs.get(name, default) for name, default in rest))
-
-
-def _globals_unchanged(kernel) -> bool:
-    """JITFunction.run's check that the globals the kernel read at compile time still hold their values
-    (else the normal path runs and raises as Triton does)."""
-    missing = object()
-    return all(globals_dict.get(name, missing) == val
-               for (name, _), (val, globals_dict) in kernel.used_global_vals.items())
 
 
 @contextmanager

@@ -1,6 +1,5 @@
 """GPU tier for the training linear's host fast paths (kernel knob host_fast; marked gpu): on an H200 the fast
-path (cached adapter casts, side stream only for long dx GEMMs, cached K2 configs, K1's h unfilled, cached
-Triton launches) gives
+path (cached adapter casts, side stream only for long dx GEMMs, cached K2 configs, K1's h unfilled) gives
 the plain path's bits for outputs and gradients, at a quickstart shape (main stream) and a Qwen3-8B shape
 (side stream); dispatch records which stream the LoRA gradients ran on."""
 from __future__ import annotations
@@ -22,7 +21,7 @@ def test_host_fast_gives_the_plain_paths_bits_on_gpu(T, K, N, r):
     base = _module(K, N, r, device="cuda")
     xs = [torch.randn(T, K, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
     dys = [torch.randn(T, N, dtype=torch.bfloat16, device="cuda") * 0.01 for _ in range(2)]
-    arms, streams, launches = {}, {}, {}
+    arms, streams = {}, {}
     for fast in (True, False):
         saved = set_knobs(host_fast=fast)
         dispatch.reset_report()
@@ -33,9 +32,6 @@ def test_host_fast_gives_the_plain_paths_bits_on_gpu(T, K, N, r):
         finally:
             restore_knobs(saved)
         streams[fast] = dispatch.report()["lora_linear.grad_stream"]
-        launches[fast] = dispatch.report().get("triton.launch", {})
-    assert launches[True].get("cached", 0) > launches[True].get("jit", 0)   # step 2's launches hit the cache
-    assert "cached" not in launches[False]
     for step in range(2):
         for name, a, b in zip(("probe", "y", "dx", "dA", "dB"), arms[True][step], arms[False][step]):
             assert torch.equal(a, b), (step, name)

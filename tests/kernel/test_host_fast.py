@@ -133,32 +133,3 @@ def test_cached_launch_configs_equal_the_fresh_choice_and_follow_the_knobs():
                 finally:
                     restore_knobs(saved)
                 assert cached[0] == cached[1] == fresh, (batch_inv, M, tuple(w.shape))
-
-
-def test_launch_cache_passes_tritons_argument_order_and_keys_its_specialization():
-    """launch_cache_worker.py (a subprocess without the interpreter: real JITFunctions, compiled for nothing)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    worker = Path(__file__).with_name("launch_cache_worker.py")
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    res = subprocess.run([sys.executable, str(worker)], capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0 and res.stdout.startswith("ok"), res.stdout + res.stderr
-
-
-def test_launch_cache_is_off_in_the_interpreter_and_collector(monkeypatch):
-    from rlfp8.kernels import _triton_utils as tu
-    monkeypatch.setattr(tu, "_cached_launch", lambda *a: pytest.fail("cached launch under the interpreter"))
-    calls = []
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: calls.append((grid, args, kw))
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    tu.launch(Kernel(), (2,), 1, X=3)
-    assert calls == [((2,), (1,), {"X": 3})]
-    with tu.collect_launches() as rec:
-        tu.launch(Kernel(), (2,), 1, X=3)
-    assert len(rec) == 1 and len(calls) == 1
