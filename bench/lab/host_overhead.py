@@ -9,7 +9,7 @@ the aten ops for real at a small token count (64: the compute is then small besi
 computes nothing but runs some ops' Python meta functions, which CUDA does not. Not covered: CUDA
 streams/events (the side stream of the backward) and Triton's JITFunction.run, which need a GPU; the binder (Triton's argument specialization, the largest Python part of
 jit.run) is timed separately on the recorded launches, as jit.run would call it for sm_90.
---baseline sets the kernel knob host_fast=false (no per-parameter casts cache, no launch fast path).
+--baseline sets the kernel knob host_fast=false (the plain path; rlfp8/kernels/knobs.py lists what it switches).
 Prints microseconds per call: the thread's CPU time per pass (median and min over --iters; steadier than wall
 time on a loaded machine), then a per-part split from cProfile (which inflates everything it times).
 """
@@ -86,7 +86,12 @@ def main() -> None:
     from rlfp8.kernels import dispatch
     from rlfp8.kernels._triton_utils import collect_launches
     from rlfp8.kernels.knobs import set_knobs
-    set_knobs(backend="triton", host_fast=not args.baseline)
+    import dataclasses
+
+    from rlfp8.kernels.knobs import KernelKnobs
+    set_knobs(backend="triton")
+    if "host_fast" in {f.name for f in dataclasses.fields(KernelKnobs)}:     # absent in trees before it (--before)
+        set_knobs(host_fast=not args.baseline)
     dispatch.triton_interpreting = lambda: True      # CPU tensors allowed to reach the Triton launchers
     mods = make_projections(args.rank, args.device)
     xs = [torch.randn(args.tokens, K, device=args.device).bfloat16().requires_grad_() for _, _, K in

@@ -73,8 +73,8 @@ import triton.language as tl
 from . import dispatch
 from ._triton_utils import (cdiv, check_pdl, check_tensor, launch, next_pow2, require_triton_device,
                             split_counters)
-from .gemm_configs import (GLUON_SCHEDULE, M_BUCKETS, WIDENINGS, GemmConfig, batch_invariant, cached_launch_config,
-                           gemm_config, invariant_gemm_config, m_bucket, schedule_of)
+from .gemm_configs import (GLUON_SCHEDULE, M_BUCKETS, WIDENINGS, GemmConfig, batch_invariant,
+                           cached_launch_config, gemm_config, invariant_gemm_config, m_bucket, schedule_of)
 from .knobs import knobs
 from .gemm_ref import check_lora_gemm_args
 from .metadata import LoRAMeta

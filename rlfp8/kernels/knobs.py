@@ -48,8 +48,9 @@ class KernelKnobs:
     # trainer's forward), "on" = W8A8 too, "off" = the tuned per-token-count configs everywhere
     batch_invariant: str = "auto"
     # the training linear's host fast paths (same bits): per-parameter cached adapter casts, the backward's
-    # side stream only where it can overlap (linear_triton), the cached Triton launch (_triton_utils); False =
-    # the plain path everywhere (the baseline of bench/lab/host_overhead.py and trainer_trace.py)
+    # side stream only where it can overlap (linear_triton), K2's launch config chosen once per shape and
+    # token bucket, K1's h unfilled without metadata; False = the plain path (the baseline arm of
+    # bench/lab/host_overhead.py and trainer_trace.py)
     host_fast: bool = True
 
 
