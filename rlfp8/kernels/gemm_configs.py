@@ -33,7 +33,8 @@ from .knobs import knobs
 
 __all__ = ["GLUON_SCHEDULE", "GemmConfig", "INVARIANT_SCHEDULES", "M_BUCKETS", "NUM_SMS_HINT", "WIDENINGS",
            "ReductionSchedule", "batch_invariant", "cached_launch_config", "config_key", "gemm_config",
-           "invariant_gemm_config", "m_bucket", "n_class", "reduction_schedule", "reload_tuned_table", "schedule_of", "tuned_table_path"]
+           "invariant_gemm_config", "m_bucket", "n_class", "reduction_schedule", "reload_tuned_table", "schedule_of",
+           "tuned_table_path"]
 
 # How W8A16 widens e4m3 weight tiles to bf16, per config (GemmConfig.widen; the PTX is in widen.py): all exact,
 # so all give the same bits; the interpreter always takes "cvt" (it cannot run inline PTX).
