@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from . import dispatch
-from ._triton_utils import check_tensor, launch, next_pow2, require_triton_device
+from ._triton_utils import cdiv, check_tensor, launch, next_pow2, require_triton_device
 from .dora_ref import NORM_PRECISIONS, OP_COLDOT, OP_NORM, _check_base, column_scale_from_norm, dm_from_col_dot
 from .linear_triton import lora_backward_triton
 from .gemm_configs import NUM_SMS_HINT
@@ -81,7 +81,7 @@ def norm_pieces_triton(q, scale, A, want_w_sq: bool = True, precision: str = "bf
     if N == 0 or R == 0:
         return (w_sq if want_w_sq else None), U
     block_r = min(max(16, next_pow2(R)), max_block_r)
-    grid = (triton.cdiv(N, block_n), triton.cdiv(R, block_r))
+    grid = (cdiv(N, block_n), cdiv(R, block_r))
     launch(_norm_pieces_kernel, grid, q, scale, A, U, w_sq, N, K, R,
            q.stride(0), q.stride(1), A.stride(0), A.stride(1), U.stride(0), U.stride(1),
            BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, WANT_WSQ=want_w_sq, SPLIT_A=precision == "bf16x2",
@@ -124,12 +124,12 @@ def col_dot_triton(dy, y, bias=None, block_t: int = 32, block_n: int = 256, chun
     if bias is not None:
         check_tensor(OP_COLDOT, "bias", bias, shape=(N,), device=dy.device)
     require_triton_device(OP_COLDOT, dy)
-    n_blocks = triton.cdiv(N, block_n)
+    n_blocks = cdiv(N, block_n)
     if chunks is None:                                     # ~4 programs per SM for a memory-bound pass
-        chunks = triton.cdiv(4 * NUM_SMS_HINT, n_blocks)
-    chunks = max(1, min(chunks, triton.cdiv(max(T, 1), block_t)))
-    t_chunk = triton.cdiv(triton.cdiv(max(T, 1), chunks), block_t) * block_t
-    chunks = triton.cdiv(max(T, 1), t_chunk)
+        chunks = cdiv(4 * NUM_SMS_HINT, n_blocks)
+    chunks = max(1, min(chunks, cdiv(max(T, 1), block_t)))
+    t_chunk = cdiv(cdiv(max(T, 1), chunks), block_t) * block_t
+    chunks = cdiv(max(T, 1), t_chunk)
     part = torch.empty((chunks, N), dtype=torch.float32, device=dy.device)
     if N == 0:
         return part.sum(0)

@@ -33,9 +33,9 @@ from ._triton_utils import cdiv, next_pow2
 from .knobs import knobs
 
 __all__ = ["GLUON_SCHEDULE", "GemmConfig", "INVARIANT_SCHEDULES", "M_BUCKETS", "NUM_SMS_HINT", "WIDENINGS",
-           "ReductionSchedule", "SM90_MAX_SMEM", "batch_invariant", "config_key", "fit_smem", "gemm_config",
-           "invariant_gemm_config", "m_bucket", "n_class", "reduction_schedule", "reload_tuned_table", "schedule_of",
-           "smem_bytes", "tuned_table_path"]
+           "ReductionSchedule", "SM90_MAX_SMEM", "batch_invariant", "cached_launch_config", "config_key", "fit_smem",
+           "gemm_config", "invariant_gemm_config", "m_bucket", "n_class", "reduction_schedule", "reload_tuned_table",
+           "schedule_of", "smem_bytes", "tuned_table_path"]
 
 # How W8A16 widens e4m3 weight tiles to bf16, per config (GemmConfig.widen; the PTX is in widen.py): all exact,
 # so all give the same bits; the interpreter always takes "cvt" (it cannot run inline PTX).
@@ -128,6 +128,19 @@ def reload_tuned_table() -> None:
     global _tuned
     _tuned = None
     _invariant.clear()
+    _launch_configs.clear()
+
+
+_launch_configs: dict = {}
+
+
+def cached_launch_config(key: tuple, choose):
+    """choose() once per key: a launcher's config choice, whose key names everything the choice reads (the
+    caller's config, mode, token bucket, shape, device, the knobs); cleared with the tuned table."""
+    cfg = _launch_configs.get(key)
+    if cfg is None:
+        cfg = _launch_configs[key] = choose()
+    return cfg
 
 
 def config_key(mode: str, M: int, N: int, K: int, transposed: bool = False) -> str:

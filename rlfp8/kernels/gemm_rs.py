@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._triton_utils import launch
+from ._triton_utils import cdiv, launch, next_pow2
 from .widen import E4M3X2_TO_BF16_PTX
 
 OP = "lora_gemm"
@@ -295,9 +295,9 @@ def launch_args(x: torch.Tensor, q: torch.Tensor, w_scale, h=None, B=None, bias=
     args = (x_desc, q_desc, out, out if w_scale is None else w_scale, out if bias is None else bias,
             lora[0], lora[1], M, N, K, *lora[2:])
     kwargs = dict(TRANS_Q=trans, HAS_SCALE=w_scale is not None, HAS_LORA=h is not None, HAS_BIAS=bias is not None,
-                  BR=max(16, triton.next_power_of_2(r)), STAGES=STAGES, GROUP_M=GROUP_M, num_warps=4,
+                  BR=max(16, next_pow2(r)), STAGES=STAGES, GROUP_M=GROUP_M, num_warps=4,
                   maxnreg=LAUNCH_REGS)
-    grid = (triton.cdiv(M, BM) * (N // BN),)
+    grid = (cdiv(M, BM) * (N // BN),)
     return _lora_gemm_rs_kernel, grid, args, kwargs
 
 

@@ -74,7 +74,7 @@ from . import dispatch
 from ._triton_utils import (cdiv, check_pdl, check_tensor, launch, max_shared_mem, next_pow2,
                             require_triton_device, split_counters)
 from .gemm_configs import (GLUON_SCHEDULE, M_BUCKETS, SM90_MAX_SMEM, WIDENINGS, GemmConfig, batch_invariant,
-                           fit_smem, gemm_config, invariant_gemm_config, m_bucket, schedule_of)
+                           cached_launch_config, fit_smem, gemm_config, invariant_gemm_config, m_bucket, schedule_of)
 from .knobs import knobs
 from .gemm_ref import check_lora_gemm_args
 from .metadata import LoRAMeta
@@ -466,6 +466,15 @@ def _pick_config(config, mode, M, N, K, q, dev) -> tuple[GemmConfig, bool]:
     invariant = config is None and batch_invariant(mode, transposed)
     dispatch.record(f"{OP}.schedule", "explicit" if config is not None else "batch_invariant" if invariant
                     else "tuned")
+    kn = knobs()
+    if kn.host_fast:        # the choice reads the token count only through its bucket (gemm_configs)
+        key = (OP, config, mode, m_bucket(M), N, K, transposed, dev, kn)
+        return cached_launch_config(key, lambda: _checked_config(config, invariant, mode, M, N, K, dev,
+                                                                 transposed)), invariant
+    return _checked_config(config, invariant, mode, M, N, K, dev, transposed), invariant
+
+
+def _checked_config(config, invariant, mode, M, N, K, dev, transposed) -> GemmConfig:
     if invariant:
         cfg = invariant_gemm_config(mode, M, N, K, dev)
     else:
@@ -474,7 +483,7 @@ def _pick_config(config, mode, M, N, K, q, dev) -> tuple[GemmConfig, bool]:
         raise ValueError(f"rlfp8.kernels.{OP}: tile dims must be >= 16 (tl.dot), got {cfg}")
     if cfg.widen not in WIDENINGS:
         raise ValueError(f"rlfp8.kernels.{OP}: config widen must be one of {WIDENINGS}, got {cfg}")
-    return cfg, invariant
+    return cfg
 
 
 def _fit_to_device(cfg, mode, rank, device) -> GemmConfig:

@@ -47,6 +47,11 @@ class KernelKnobs:
     # count (gemm_configs.reduction_schedule): "auto" = for the W8A16 calls (the matched engine and the FP8
     # trainer's forward), "on" = W8A8 too, "off" = the tuned per-token-count configs everywhere
     batch_invariant: str = "auto"
+    # the training linear's host fast paths (same bits): per-parameter cached adapter casts, the backward's
+    # side stream only where it can overlap (linear_triton), K2's launch config chosen once per shape and
+    # token bucket, K1's h unfilled without metadata; False = the plain path (the baseline arm of
+    # bench/lab/host_overhead.py and trainer_trace.py)
+    host_fast: bool = True
 
 
 # environment variable -> knob; the only place in rlfp8.kernels that reads RLFP8_* variables
@@ -60,11 +65,12 @@ ENV_VARS = {
     "RLFP8_TUNED_GPU": "tuned_gpu",
     "RLFP8_PDL": "pdl",
     "RLFP8_BATCH_INVARIANT": "batch_invariant",
+    "RLFP8_HOST_FAST": "host_fast",
 }
 ENV_VARS_BY_KNOB = {knob: var for var, knob in ENV_VARS.items()}
 _NAMES = tuple(f.name for f in dataclasses.fields(KernelKnobs))
 _CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "pdl": PDL_MODES, "batch_invariant": BATCH_INVARIANT}
-_FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red")
+_FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "host_fast")
 
 
 def _validated(name: str, value, source: str):

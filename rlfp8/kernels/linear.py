@@ -19,12 +19,14 @@ def dense_lora_linear(x, weight, A, B, lora_scale: float, bias=None):
     return y
 
 
-def lora_linear(x, q, scale, A, B, lora_scale: float, bias=None):
-    """FP8 base (q [N, K] float8_e4m3fn, scale [N] fp32) + LoRA (A [r, K], B [N, r]; None = no adapter)."""
+def lora_linear(x, q, scale, A, B, lora_scale: float, bias=None, casts=None):
+    """FP8 base (q [N, K] float8_e4m3fn, scale [N] fp32) + LoRA (A [r, K], B [N, r]; None = no adapter).
+    casts: optional dtype -> (A.to(dtype), (B·s).to(dtype)) cache for the Triton path (the reference casts
+    itself: it is the baseline)."""
     if q.dtype != torch.float8_e4m3fn or scale is None:
         raise TypeError(f"lora_linear: q must be float8_e4m3fn with a scale, got q {q.dtype} "
                         f"{tuple(q.shape)}; use dense_lora_linear for a 16-bit base")
     if dispatch.choose("lora_linear", x, q) == "triton":
         from .linear_triton import lora_linear_triton     # added with the Triton kernels
-        return lora_linear_triton(x, q, scale, A, B, lora_scale, bias)
+        return lora_linear_triton(x, q, scale, A, B, lora_scale, bias, casts)
     return LoRALinearRef.apply(x, q, scale, A, B, lora_scale, bias)

@@ -26,9 +26,10 @@ import triton
 import triton.language as tl
 
 from . import dispatch
-from ._triton_utils import check_tensor, launch, max_shared_mem, next_pow2, require_triton_device
+from ._triton_utils import cdiv, check_tensor, launch, max_shared_mem, next_pow2, require_triton_device
 from .gemm_configs import NUM_SMS_HINT, SM90_MAX_SMEM, SMEM_SLACK
 from .gemm_triton import lora_gemm_triton
+from .knobs import knobs
 from .shrink_triton import lora_shrink_triton
 
 OP = "lora_linear"
@@ -122,13 +123,13 @@ def dy_prep_triton(dy: torch.Tensor, w_scale: torch.Tensor, B_c: torch.Tensor | 
     block_n, num_stages = fitted
     if T == 0 or N == 0:
         return gy, (torch.zeros((T, r), dtype=torch.float32, device=dy.device) if B_c is not None else None)
-    t_blocks = triton.cdiv(T, block_t)
-    n_blocks = triton.cdiv(N, block_n)
+    t_blocks = cdiv(T, block_t)
+    n_blocks = cdiv(N, block_n)
     if chunks is None:
-        chunks = triton.cdiv(4 * NUM_SMS_HINT, t_blocks)
+        chunks = cdiv(4 * NUM_SMS_HINT, t_blocks)
     chunks = max(1, min(chunks, n_blocks))
-    n_chunk = triton.cdiv(n_blocks, chunks) * block_n                   # whole BLOCK_N tiles per chunk
-    chunks = triton.cdiv(N, n_chunk)
+    n_chunk = cdiv(n_blocks, chunks) * block_n                   # whole BLOCK_N tiles per chunk
+    chunks = cdiv(N, n_chunk)
     part = torch.empty((chunks, T, r), dtype=torch.float32, device=dy.device) if B_c is not None else gy[None]
     b = B_c if B_c is not None else gy
     launch(_dy_prep_kernel, (t_blocks, chunks), dy, w_scale, b, gy, part, T, N, r, n_chunk,
@@ -186,15 +187,46 @@ def _on(stream):
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def _record(device) -> torch.cuda.Event:
+def _record(stream) -> torch.cuda.Event:
     ev = torch.cuda.Event()
-    ev.record(torch.cuda.current_stream(device))
+    ev.record(stream)
     return ev
+
+
+# The backward's dA/dB GEMMs go to a side stream only where the dx GEMM they overlap is long: the switch
+# costs ~50-100 us of host time per call (stream lookups, an event, two stream contexts, the join), which
+# the GPU hides only when it, not the host, is the bottleneck. Rule (knob-free): side stream when the dx GEMM
+# does >= 2^36 flop (2·T·N·K; ~0.2 ms of bf16 MMA on an H200, about the call's host cost): a Qwen3-8B
+# projection at 8k tokens (275 GFLOP) takes it, the quickstart's largest (8192 x 1536 x 576: 14 GFLOP) not.
+# With the knob host_fast off every CUDA call takes it (the old path). Same kernels either way: same bits.
+SIDE_STREAM_MIN_FLOP = 1 << 36
+
+
+def _side_stream_for(dy2: torch.Tensor, K: int):
+    """The side stream for this backward's dA/dB GEMMs, or None (CPU, interpreter, or a short dx GEMM)."""
+    if not dy2.is_cuda:
+        return None
+    T, N = dy2.shape
+    if knobs().host_fast and 2 * T * N * K < SIDE_STREAM_MIN_FLOP:
+        return None
+    return _side_stream(dy2.device)
+
+
+def _adapter_operands(A, B, lora_scale: float, dtype, casts):
+    """(A_c [r, K], B_c [N, r]) = (A.to(dtype), (B·s).to(dtype)): from the caller's per-parameter cache
+    `casts(dtype)` (FP8LoRALinear.adapter_casts) when the knob host_fast is on, else computed here."""
+    if casts is None or not knobs().host_fast:
+        return A.to(dtype), (B * lora_scale).to(dtype)
+    A_c, B_c = casts(dtype)
+    if A_c.dtype != dtype or B_c.dtype != dtype or A_c.shape != A.shape or B_c.shape != B.shape:
+        raise ValueError(f"rlfp8.kernels.{OP}: casts({dtype}) returned A_c {A_c.dtype} {tuple(A_c.shape)}, B_c "
+                         f"{B_c.dtype} {tuple(B_c.shape)} for A {tuple(A.shape)}, B {tuple(B.shape)}")
+    return A_c, B_c
 
 
 class LoRALinearTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, q, scale, A, B, lora_scale, bias):
+    def forward(ctx, x, q, scale, A, B, lora_scale, bias, casts=None):
         K = x.shape[-1]
         N = q.shape[0]
         x2 = x.reshape(-1, K)
@@ -202,8 +234,7 @@ class LoRALinearTriton(torch.autograd.Function):
             x2 = x2.contiguous()
         h = A_c = B_c = None
         if A is not None:
-            A_c = A.to(x.dtype)                                                 # [r, K]
-            B_c = (B * lora_scale).to(x.dtype)                                  # [N, r]
+            A_c, B_c = _adapter_operands(A, B, lora_scale, x.dtype, casts)     # [r, K], [N, r]
             h = lora_shrink_triton(x2, A_c[None], None).h                       # [1, T, r] fp32
             y = lora_gemm_triton(x2, q, scale, h=h, B=B_c[None], bias=bias)
         else:
@@ -220,7 +251,7 @@ class LoRALinearTriton(torch.autograd.Function):
         dx, dA, dB = lora_backward_triton(dy, x2, q, scale, A_c, B_c, h, ctx.lora_scale, ctx.x_shape, needs[0],
                                           A is not None and needs[3], B is not None and needs[4])
         return (dx, None, None, None if dA is None else dA.to(A.dtype), None if dB is None else dB.to(B.dtype),
-                None, None)
+                None, None, None)
 
 
 def lora_backward_triton(dy, x2, q, w_scale, A_c, B_c, h, lora_scale: float, x_shape, need_dx: bool,
@@ -234,38 +265,42 @@ def lora_backward_triton(dy, x2, q, w_scale, A_c, B_c, h, lora_scale: float, x_s
     if dy2.stride(-1) != 1:
         dy2 = dy2.contiguous()
     dx = dA = dB = None
-    # dA and dB are skinny, memory-bound GEMMs: on CUDA they run on a side stream while the main stream
+    # dA and dB are skinny, memory-bound GEMMs: on CUDA they may run on a side stream while the main stream
     # runs the compute-bound dx GEMM (dB needs only dy and h: it starts at once; dA waits for dh)
-    side = _side_stream(dy2.device) if dy2.is_cuda else None
+    side = _side_stream_for(dy2, x2.shape[1])
+    if dy2.is_cuda:
+        dispatch.record(f"{OP}.grad_stream", "side" if side is not None else "main")
+    main = torch.cuda.current_stream(dy2.device) if side is not None else None     # looked up once
     if side is not None:
-        side.wait_stream(torch.cuda.current_stream(dy2.device))
+        side.wait_stream(main)
     if A_c is not None and need_dB:
         with _on(side):
             dB = s * _mm_f32(dy2.t(), h[0].to(x2.dtype))                       # [N, r]
     dh = None
     if need_dx:
         gy, dh = dy_prep_triton(dy2, w_scale, B_c)                             # [T, N] x.dtype, [T, r] fp32
-        dh_ready = _record(dy2.device) if side is not None else None
+        dh_ready = _record(main) if side is not None else None
         lora = dict(h=dh[None], B=A_c.t()[None]) if A_c is not None else {}
         dx = lora_gemm_triton(gy, q.t(), None, out_dtype=x2.dtype, **lora).reshape(x_shape)
     elif A_c is not None:
         dh = _mm_f32(dy2, B_c)                                                  # [T, r] fp32
-        dh_ready = _record(dy2.device) if side is not None else None
+        dh_ready = _record(main) if side is not None else None
     if A_c is not None and need_dA:
         with _on(side):
             if side is not None:
                 side.wait_event(dh_ready)
             dA = _mm_f32(dh.to(x2.dtype).t(), x2)                               # [r, K]
     if side is not None:                                                        # join; outputs made on the side
-        torch.cuda.current_stream(dy2.device).wait_stream(side)
+        main.wait_stream(side)
         for t in (dA, dB):
             if t is not None:
-                t.record_stream(torch.cuda.current_stream(dy2.device))
+                t.record_stream(main)
     return dx, dA, dB
 
 
-def lora_linear_triton(x, q, scale, A, B, lora_scale: float, bias=None):
-    """x [..., K] bf16/fp16; q [N, K] e4m3, scale [N] fp32; A [r, K], B [N, r] (None = no adapter)."""
+def lora_linear_triton(x, q, scale, A, B, lora_scale: float, bias=None, casts=None):
+    """x [..., K] bf16/fp16; q [N, K] e4m3, scale [N] fp32; A [r, K], B [N, r] (None = no adapter);
+    casts: optional dtype -> (A.to(dtype), (B·s).to(dtype)), detached, e.g. cached per parameter version."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"rlfp8.kernels.{OP}: the Triton training linear takes bf16/fp16 x, got {x.dtype} "
                         f"{tuple(x.shape)}; use backend 'torch' for other dtypes")
@@ -277,4 +312,4 @@ def lora_linear_triton(x, q, scale, A, B, lora_scale: float, bias=None):
         if B is None or B.dim() != 2 or B.shape != (q.shape[0], A.shape[0]):
             raise ValueError(f"rlfp8.kernels.{OP}: B must be [N={q.shape[0]}, r={A.shape[0]}], got "
                              f"{None if B is None else tuple(B.shape)}")
-    return LoRALinearTriton.apply(x, q, scale, A, B, lora_scale, bias)
+    return LoRALinearTriton.apply(x, q, scale, A, B, lora_scale, bias, casts)

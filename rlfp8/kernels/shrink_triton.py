@@ -37,6 +37,7 @@ from . import dispatch
 from ._triton_utils import cdiv, check_pdl, launch, next_pow2, require_triton_device, split_counters
 from .fp8_ref import FP8_DTYPE
 from .gemm_configs import batch_invariant
+from .knobs import knobs
 from .fp8_triton import ROUNDING_CODE, _quant_config, _quant_rows_tile, quantize_rows_triton
 from .shrink_ref import ShrinkOut, a_slices, check_lora_shrink_args
 from .metadata import LoRAMeta
@@ -229,7 +230,10 @@ def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: 
         A3 = [a.contiguous() for a in A3]
     a_st = A3[0].stride()
     dev = x.device
-    h = out if out is not None else torch.zeros((L, M, r), dtype=torch.float32, device=dev)
+    # without metadata every row of h is written by the kernel (one adapter, slot 0): no zero fill needed
+    # (the fast path of the knob host_fast; with metadata, rows without adapter must stay 0)
+    alloc = torch.empty if meta is None and knobs().host_fast else torch.zeros
+    h = out if out is not None else alloc((L, M, r), dtype=torch.float32, device=dev)
     xq = torch.empty((M, K), dtype=FP8_DTYPE, device=dev) if quant else None
     xs = torch.empty((M, 1), dtype=torch.float32, device=dev) if quant else None
     if M == 0:

@@ -43,6 +43,8 @@ class FP8LoRALinear(nn.Module):
         self.lora_B = nn.Parameter(torch.zeros(out_features, rank, dtype=torch.float32))    # [N, r]
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.adapter_enabled = True
+        self._cast_key = None                 # adapter_casts' cache: key and (A_c, B_c)
+        self._casts = None
         for name in ("qweight", "weight_scale", "weight", "bias"):     # set by from_linear
             self.register_buffer(name, None)
 
@@ -63,10 +65,25 @@ class FP8LoRALinear(nn.Module):
         mod.to(device)
         return mod
 
+    def adapter_casts(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A.to(dtype), (B·s).to(dtype)), the Triton linear's operand roundings, detached and cached per
+        (A, B) version: every micro-batch, the pi_old pass and the parity probe of one step reuse them; an
+        optimizer step or load_state_dict (in-place updates) bumps the versions and forces a recompute."""
+        A, B = self.lora_A, self.lora_B
+        key = (A._version, B._version, A.data_ptr(), B.data_ptr(), A.device, dtype, self.scaling)
+        if self._cast_key == key and not torch.is_inference_mode_enabled():
+            return self._casts
+        with torch.no_grad():
+            casts = (A.to(dtype), (B * self.scaling).to(dtype))
+        if not torch.is_inference_mode_enabled():      # inference tensors could not be saved for backward later
+            self._cast_key, self._casts = key, casts
+        return casts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:       # x [..., K] -> [..., N]
         A, B = (self.lora_A, self.lora_B) if self.adapter_enabled else (None, None)
         if self.weights == "fp8":
-            return klinear.lora_linear(x, self.qweight, self.weight_scale, A, B, self.scaling, self.bias)
+            return klinear.lora_linear(x, self.qweight, self.weight_scale, A, B, self.scaling, self.bias,
+                                       casts=self.adapter_casts)
         return klinear.dense_lora_linear(x, self.weight, A, B, self.scaling, self.bias)
 
     def extra_repr(self) -> str:
