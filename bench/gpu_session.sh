@@ -111,7 +111,7 @@ diagnose)  # one model per call (10-minute limit); MODEL=qwen3_8b_shape: random 
     grep -v "^INFO\|^WARNING\|^(EngineCore" "$OUT/diagnose_${MODEL:-smollm2}.log" | tail -30
     ;;
 study)     # one call: arms x SEEDS learning runs (~9 min budget), then the statistics and the plot
-    mkdir -p "$OUT/r" "$OUT/study"; root=/tmp/study/$(date +%H%M%S)     # a fresh runs root per call (warm machine)
+    shopt -s nullglob; mkdir -p "$OUT/r" "$OUT/study"; root=/tmp/study/$(date +%H%M%S)   # fresh root per call (warm machine)
     listed=$($PY bench/learning_study.py specs --seeds "${SEEDS:-0,1,2}" ${STUDY_ARMS:+--arms "$STUDY_ARMS"} \
         --extra "${STUDY_EXTRA:-}") || exit 2
     mapfile -t specs <<< "$listed"
