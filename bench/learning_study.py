@@ -105,13 +105,8 @@ def read_run(name: str, path: Path) -> RunCurve:
     if not m:
         raise SystemExit(f"learning_study: {path}: run name {name!r} is not ARM__sSEED (bench/learning_study.py specs)")
     run = RunCurve(m["arm"], int(m["seed"]), str(path))
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"learning_study: {path}:{lineno}: not JSON ({e})") from e
+    lines = path.read_text().splitlines()
+    for row in (_json_row(path, n, line) for n, line in enumerate(lines, 1) if line.strip()):
         if "reward/mean" in row:
             run.train.append((int(row["step"]), float(row["reward/mean"])))
         if "eval/reward" in row:
@@ -122,6 +117,13 @@ def read_run(name: str, path: Path) -> RunCurve:
         import yaml
         run.data_cfg = (yaml.safe_load(config.read_text()) or {}).get("data")
     return run
+
+
+def _json_row(path: Path, lineno: int, line: str) -> dict:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"learning_study: {path}:{lineno}: not JSON ({e})") from e
 
 
 def complete(run: RunCurve) -> str | None:
