@@ -304,7 +304,7 @@ def text_table(result: dict) -> str:
         for metric, r in per.items():
             ci = "-" if r["ci"] is None else f"[{r['ci'][0]:+.1f}, {r['ci'][1]:+.1f}]"
             diff = "-" if r["diff"] is None else f"{r['diff']:+.1f}"
-            lines.append(f"{arm:<16}{metric:<13}{diff:>9}  {ci:<20}{r['verdict']:<13}")
+            lines.append(f"{arm:<16}{metric:<13}{diff:>9}  {ci:<20}{r['verdict']:<13}{r.get('note', '')}")
     return "\n".join(lines)
 
 
