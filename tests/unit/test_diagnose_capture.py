@@ -74,11 +74,12 @@ class _FakeEngineModel(torch.nn.Module):
 
     def __init__(self, vocab=50, dim=6):
         super().__init__()
-        torch.manual_seed(0)
-        self.model = torch.nn.Module()
-        self.model.embed_tokens = torch.nn.Embedding(vocab, dim)
-        self.model.norm = torch.nn.LayerNorm(dim)
-        self.position = torch.nn.Embedding(16, dim)
+        with torch.random.fork_rng():          # seeded here without moving the suite's global RNG state
+            torch.manual_seed(0)
+            self.model = torch.nn.Module()
+            self.model.embed_tokens = torch.nn.Embedding(vocab, dim)
+            self.model.norm = torch.nn.LayerNorm(dim)
+            self.position = torch.nn.Embedding(16, dim)
 
     def step(self, sequences: list[list[int]]) -> None:
         """One flattened step over the sequences in the given order, as an engine runs a prefill batch."""
