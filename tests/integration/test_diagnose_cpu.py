@@ -134,6 +134,10 @@ def test_diagnose_cli_tiny(first_run):
     assert pairs[("engine_w8a16", "trainer_fp8")]["full_kl_mean"] < 1e-6                     # matched: same codes
     assert report["floor"]["bf16_bf16"] == floor and "hf_batch_vs_single" in report["floor"]
     assert report["floor_pairs"]["vllm_vllm"]["full_kl_mean"] >= 0
+    acc = report["acceptance"]                  # no w8a8 engine scored: that ratio is reported as not measurable
+    assert acc["matched_over_floor"]["numerator_kl"] == pairs[("engine_w8a16", "trainer_fp8")]["full_kl_mean"]
+    assert acc["matched_over_w8a8"]["ratio"] is None and "matched_over_w8a8: " in r.stdout
+    assert "not measurable (not scored)" in r.stdout
 
 
 @pytest.mark.slow
