@@ -110,7 +110,8 @@ trace)     # bench/lab/trainer_trace.py: the trainer's update without Ray, profi
     ;;
 final_a)   # one call: the learning study (its w8a16 arms run one_copy) + rlfp8-diagnose (background) beside the GPU tests
     mkdir -p "$OUT/r"
-    STUDY_PARALLEL=${STUDY_PARALLEL:-5} bash "$0" study > "$OUT/study_stage.log" 2>&1 &
+    SEEDS=${SEEDS:-0,1} STUDY_PARALLEL=${STUDY_PARALLEL:-6} STUDY_TIMEOUT=${STUDY_TIMEOUT:-420} RUN_TIMEOUT=${RUN_TIMEOUT:-410} \
+        bash "$0" study > "$OUT/study_stage.log" 2>&1 &
     study=$!
     sleep 20; MODEL=smollm2 bash "$0" diagnose engine.kv_cache_memory_gb=4 > "$OUT/diagnose_stage.log" 2>&1 &
     diag=$!
@@ -122,14 +123,14 @@ final_a)   # one call: the learning study (its w8a16 arms run one_copy) + rlfp8-
     ;;
 final_b)   # one call, nothing else on the GPU: the kernel benchmark (tuned and invariant), DoRA, the trainer trace, the step profile
     mkdir -p "$OUT/r"
-    for bi in off auto; do
-        timeout 150 $PY bench/kernels.py --batch-invariant $bi --out "$OUT/r/kernels_bi_${bi}_h200.json" > "$OUT/kernels_$bi.log" 2>&1
+    for bi in ${KERNEL_BI:-off}; do
+        timeout 110 $PY bench/kernels.py --batch-invariant $bi --out "$OUT/r/kernels_bi_${bi}_h200.json" > "$OUT/kernels_$bi.log" 2>&1
         echo "kernels ($bi) rc=$?"; grep -A12 -i "acceptance" "$OUT/kernels_$bi.log" | head -14
     done
-    timeout 150 $PY bench/dora.py --ranks 384 --rounds 10 --out "$OUT/r/dora_h200.json" > "$OUT/dora.log" 2>&1
+    timeout 120 $PY bench/dora.py --ranks 384 --rounds 10 --out "$OUT/r/dora_h200.json" > "$OUT/dora.log" 2>&1
     echo "dora rc=$?"; tail -25 "$OUT/dora.log"
-    TRACE_ARGS="${TRACE_ARGS:---micro-batches 8192 --steps 3}" bash "$0" trace
-    PROFILE_STEPS=${PROFILE_STEPS:-5} bash "$0" profile
+    PROFILE_STEPS=${PROFILE_STEPS:-5} PROFILE_TIMEOUT=170 bash "$0" profile
+    TRACE_TIMEOUT=90 TRACE_ARGS="${TRACE_ARGS:---micro-batches 8192 --steps 3}" bash "$0" trace
     ;;
 diagnose)  # one model per call (10-minute limit); MODEL=qwen3_8b_shape: random weights at Qwen3-8B's layer shapes
     shift
