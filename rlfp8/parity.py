@@ -39,8 +39,12 @@ class ParityProbe:
 
     def measure_floor(self, engine_score: Callable, trainer_score_base: Callable) -> float:
         """Mismatch of this engine/trainer pair without any adapter (the precision's own floor)."""
-        self.floor, _ = mean_abs_diff(engine_score(self.sequences, self.prompt_lens, False),
-                                      trainer_score_base(self.sequences, self.prompt_lens))
+        return self.floor_from(engine_score(self.sequences, self.prompt_lens, False),
+                               trainer_score_base(self.sequences, self.prompt_lens))
+
+    def floor_from(self, engine_logprobs: list[list[float]], trainer_logprobs: list[list[float]]) -> float:
+        """measure_floor on scores already taken (without adapter)."""
+        self.floor, _ = mean_abs_diff(engine_logprobs, trainer_logprobs)
         return self.floor
 
     @property

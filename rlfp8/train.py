@@ -299,8 +299,9 @@ def make_probe(r: Run):
     seqs = [prompts[s.prompt_index] + (s.token_ids or [0]) for s in answers]
     probe = ParityProbe(seqs, [len(prompts[s.prompt_index]) for s in answers], factor=pcfg["factor"],
                         abs_tol=pcfg["abs_tol"])
-    floor = probe.measure_floor(lambda q, p, a: call(engine.score, q, p, a),
-                                lambda q, p: call(trainer.score_tokens, q, p, False))
+    engine_lp = call(engine.score, probe.sequences, probe.prompt_lens, False)
+    r.placement.before_train()          # the trainer computes next: offloaded brings its base back (one_copy: KV out)
+    floor = probe.floor_from(engine_lp, call(trainer.score_tokens, probe.sequences, probe.prompt_lens, False))
     log.info("parity probe: %d sequences, floor (no adapter) mean |dlogp| = %.3e", len(seqs), floor)
     return probe
 

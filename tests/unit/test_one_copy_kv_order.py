@@ -112,3 +112,33 @@ def test_packed_tensors_round_trip_as_one_buffer(tmp_path):
     bad = PackedTensors({"x": torch.zeros(2, device="meta")})
     with pytest.raises(ValueError, match="x is on meta"):
         pickle.dumps(bad)
+
+
+def test_the_probe_floor_is_scored_by_the_trainer_after_before_train(direct_calls, monkeypatch):
+    """make_probe: the engine generates and scores, then the placement's before_train (offloaded: the trainer's
+    base comes back from the host; the H200 study's bf16/offloaded runs failed scoring on a host-resident
+    embedding), then the trainer scores."""
+    from types import SimpleNamespace
+
+    from rlfp8 import train
+    log = []
+
+    class Placement:
+        engine = FakeActor(log, "engine", generate=[SimpleNamespace(prompt_index=0, token_ids=[5, 6])],
+                           score=[[-0.5, -0.25]])
+        trainer = FakeActor(log, "trainer", score_tokens=[[-0.5, -0.5]])
+
+        def before_rollout(self):
+            log.append("placement.before_rollout")
+
+        def before_train(self):
+            log.append("placement.before_train")
+    import rlfp8.placement as placement_pkg
+    monkeypatch.setattr(placement_pkg, "call", lambda m, *a, **k: m(*a, **k))
+    monkeypatch.setattr(train, "render", lambda r, ex: [1, 2, 3])
+    r = SimpleNamespace(cfg={"engine": {"parity_probe": {"every": 1, "size": 1, "factor": 4.0, "abs_tol": 1e-3}},
+                             "algo": {"max_response_len": 2}}, eval_set=["x"], placement=Placement())
+    probe = train.make_probe(r)
+    assert log == ["placement.before_rollout", "engine.generate", "engine.score", "placement.before_train",
+                   "trainer.score_tokens"]
+    assert probe.floor == pytest.approx(0.125)
