@@ -46,13 +46,16 @@ def _norm_pieces_kernel(q_ptr, sw_ptr, a_ptr, u_ptr, wsq_ptr, N, K, R,
                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)                           # [BN, BK] e4m3
         a = tl.load(a_ptr + offs_r[None, :] * stride_ar + offs_k[:, None] * stride_ak,
                     mask=r_ok[None, :] & k_ok[:, None], other=0.0)                           # [BK, BR] fp32
+        # each K tile's product is summed on its own and then added: a chain of K / BLOCK_K additions instead
+        # of K (the H200 measured 5-30x cuBLAS's fp32 error with one running sum over K)
         if SPLIT_A:
             w16 = w.to(tl.bfloat16)                                       # exact: e4m3 ⊂ bf16
             a_hi = a.to(tl.bfloat16)
-            acc = tl.dot(w16, a_hi, acc)
-            acc = tl.dot(w16, (a - a_hi.to(tl.float32)).to(tl.bfloat16), acc)
+            part = tl.dot(w16, a_hi)
+            part = tl.dot(w16, (a - a_hi.to(tl.float32)).to(tl.bfloat16), part)
         else:
-            acc = tl.dot(w.to(tl.float32), a, acc, input_precision="ieee")
+            part = tl.dot(w.to(tl.float32), a, input_precision="ieee")
+        acc += part
         if WANT_WSQ:
             wf = w.to(tl.float32)
             sq += tl.sum(wf * wf, axis=1)
