@@ -212,9 +212,8 @@ def _lora_shrink_kernel(
 
 
 
-def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: str | None = None,
-                       out: torch.Tensor | None = None, config: ShrinkConfig | None = None,
-                       use_pdl: bool = False) -> ShrinkOut:
+def _checked_inputs(x, A, meta, quant, out, use_pdl):
+    """(x with unit column stride, the A slices with one common stride), after the argument checks."""
     A3 = check_lora_shrink_args(x, a_slices(A), meta, quant, out)
     if x.dtype == torch.float32:
         raise TypeError(f"rlfp8.kernels.{OP}: the Triton kernel takes bf16/fp16 x (16-bit MMA), got fp32 "
@@ -223,11 +222,18 @@ def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: 
     check_pdl(OP, use_pdl)
     if x.stride(1) != 1:
         x = x.contiguous()
+    if any(a.stride() != A3[0].stride() for a in A3):
+        A3 = [a.contiguous() for a in A3]
+    return x, A3
+
+
+def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: str | None = None,
+                       out: torch.Tensor | None = None, config: ShrinkConfig | None = None,
+                       use_pdl: bool = False) -> ShrinkOut:
+    x, A3 = _checked_inputs(x, A, meta, quant, out, use_pdl)
     M, K = x.shape
     S, r, _ = A3[0].shape
     L = len(A3)
-    if any(a.stride() != A3[0].stride() for a in A3):
-        A3 = [a.contiguous() for a in A3]
     a_st = A3[0].stride()
     dev = x.device
     # without metadata every row of h is written by the kernel (one adapter, slot 0): no zero fill needed
