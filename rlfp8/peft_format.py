@@ -24,12 +24,30 @@ class PackedTensors(dict):
     into views of it: an adapter of a few hundred tensors crosses Ray in one copy instead of one pickled
     tensor each (what made the sync slow). Tensors must be on the CPU."""
 
+    _flat: tuple | None = None          # (keys, shapes, buffer, views) when every value is a view of one buffer
+
     @classmethod
     def from_flat(cls, keys: list[str], shapes: list[tuple], flat: torch.Tensor) -> "PackedTensors":
         sizes = [int(torch.Size(s).numel()) for s in shapes]
-        return cls(zip(keys, (v.view(s) for v, s in zip(flat.split(sizes), shapes))))
+        views = [v.view(s) for v, s in zip(flat.split(sizes), shapes)]
+        packed = cls(zip(keys, views))
+        packed._flat = (list(keys), [tuple(s) for s in shapes], flat, views)
+        return packed
+
+    def _own_buffer(self):
+        """(keys, shapes, buffer) when the values are still exactly from_flat's views: pickled as is, no copy."""
+        if self._flat is None:
+            return None
+        keys, shapes, flat, views = self._flat
+        if list(self) != keys or any(self[k] is not v for k, v in zip(keys, views)) or flat.device.type != "cpu":
+            return None
+        return keys, shapes, flat
 
     def __reduce__(self):
+        own = self._own_buffer()
+        if own is not None:
+            keys, shapes, flat = own
+            return _unpack_tensors, ([(keys, shapes, str(flat.dtype).removeprefix("torch."), _as_numpy(flat))], keys)
         groups: dict[torch.dtype, list[str]] = {}
         for k, t in self.items():
             if t.device.type != "cpu":
