@@ -67,7 +67,7 @@ class FP8DoRALinear(FP8LoRALinear):
     def row_norm(self) -> torch.Tensor:
         """n = ‖W + s·B·A‖_row [N] fp32, detached, cached per (A, B) version (FP8 base only)."""
         A, B = self.lora_A, self.lora_B
-        key = (A._version, B._version, A.data_ptr(), B.data_ptr(), self.qweight.data_ptr(), self.scaling)
+        key = self.adapter_key(self.qweight.data_ptr())
         if self._norm_key != key:
             if self.weight_sq_norm is None or self.weight_sq_norm.device != self.qweight.device:
                 self.weight_sq_norm = kdora.weight_sq_norm(self.qweight, self.weight_scale)

@@ -65,12 +65,18 @@ class FP8LoRALinear(nn.Module):
         mod.to(device)
         return mod
 
+    def adapter_key(self, *extra) -> tuple:
+        """What a cache of values derived from (A, B, s) is keyed on: in-place updates of A or B (an optimizer
+        step, load_state_dict) bump their versions."""
+        A, B = self.lora_A, self.lora_B
+        return (A._version, B._version, A.data_ptr(), B.data_ptr(), self.scaling, *extra)
+
     def adapter_casts(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(A.to(dtype), (B·s).to(dtype)), the Triton linear's operand roundings, detached and cached per
         (A, B) version: every micro-batch, the pi_old pass and the parity probe of one step reuse them; an
         optimizer step or load_state_dict (in-place updates) bumps the versions and forces a recompute."""
         A, B = self.lora_A, self.lora_B
-        key = (A._version, B._version, A.data_ptr(), B.data_ptr(), A.device, dtype, self.scaling)
+        key = self.adapter_key(A.device, dtype)
         if self._cast_key == key and not torch.is_inference_mode_enabled():
             return self._casts
         with torch.no_grad():
