@@ -14,7 +14,6 @@ A failure raises ParityError with the adapter version, the step and what differe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 
 class ParityError(RuntimeError):
@@ -37,13 +36,9 @@ class ParityProbe:
     floor: float = float("nan")
     history: list[dict] = field(default_factory=list)
 
-    def measure_floor(self, engine_score: Callable, trainer_score_base: Callable) -> float:
-        """Mismatch of this engine/trainer pair without any adapter (the precision's own floor)."""
-        return self.floor_from(engine_score(self.sequences, self.prompt_lens, False),
-                               trainer_score_base(self.sequences, self.prompt_lens))
-
-    def floor_from(self, engine_logprobs: list[list[float]], trainer_logprobs: list[list[float]]) -> float:
-        """measure_floor on scores already taken (without adapter)."""
+    def measure_floor(self, engine_logprobs: list[list[float]], trainer_logprobs: list[list[float]]) -> float:
+        """Mismatch of this engine/trainer pair without any adapter (the precision's own floor), from both
+        sides' scores of the probe batch with the adapter off."""
         self.floor, _ = mean_abs_diff(engine_logprobs, trainer_logprobs)
         return self.floor
 
@@ -51,17 +46,11 @@ class ParityProbe:
     def bound(self) -> float:
         return self.factor * self.floor + self.abs_tol
 
-    def check(self, *, version: int, step: int, engine_score: Callable, trainer_score: Callable,
-              engine_checksums: dict[str, float], expected_checksums: dict[str, float]) -> dict[str, float]:
-        return self.check_scores(version=version, step=step,
-                                 engine_logprobs=engine_score(self.sequences, self.prompt_lens, True),
-                                 trainer_logprobs=trainer_score(self.sequences, self.prompt_lens),
-                                 engine_checksums=engine_checksums, expected_checksums=expected_checksums)
-
-    def check_scores(self, *, version: int, step: int, engine_logprobs: list[list[float]],
-                     trainer_logprobs: list[list[float]], engine_checksums: dict[str, float],
-                     expected_checksums: dict[str, float]) -> dict[str, float]:
-        """check() on scores already taken (the RL loop has both sides score at once)."""
+    def check(self, *, version: int, step: int, engine_logprobs: list[list[float]],
+              trainer_logprobs: list[list[float]], engine_checksums: dict[str, float],
+              expected_checksums: dict[str, float]) -> dict[str, float]:
+        """Both sides' scores of the probe batch with the new adapter (the RL loop takes them at once) and the
+        engine's slot checksums against the ones the update implies; ParityError when either is off."""
         bad = sorted(k for k in set(engine_checksums) | set(expected_checksums)
                      if engine_checksums.get(k) != expected_checksums.get(k))
         mean, mx = mean_abs_diff(engine_logprobs, trainer_logprobs)

@@ -280,8 +280,8 @@ def sync(r: Run, step: int) -> dict[str, float]:
                                                  (engine.slot_checksums,))
     with phase("driver/probe_checksums"):
         expected = expected_checksums(update, dtype)
-    return r.probe.check_scores(version=update["version"], step=step, engine_logprobs=engine_lp,
-                                trainer_logprobs=trainer_lp, engine_checksums=slots, expected_checksums=expected)
+    return r.probe.check(version=update["version"], step=step, engine_logprobs=engine_lp, trainer_logprobs=trainer_lp,
+                         engine_checksums=slots, expected_checksums=expected)
 
 
 def make_probe(r: Run):
@@ -301,7 +301,7 @@ def make_probe(r: Run):
                         abs_tol=pcfg["abs_tol"])
     engine_lp = call(engine.score, probe.sequences, probe.prompt_lens, False)
     r.placement.before_train()          # the trainer computes next: offloaded brings its base back (one_copy: KV out)
-    floor = probe.floor_from(engine_lp, call(trainer.score_tokens, probe.sequences, probe.prompt_lens, False))
+    floor = probe.measure_floor(engine_lp, call(trainer.score_tokens, probe.sequences, probe.prompt_lens, False))
     log.info("parity probe: %d sequences, floor (no adapter) mean |dlogp| = %.3e", len(seqs), floor)
     return probe
 

@@ -108,20 +108,21 @@ def test_parity_probe_passes_then_stops_on_a_corrupted_slot(matched):
     seqs = [p + [11, 12, 13, 14, 15, 16] for p in prompts]
     lens = [len(p) for p in prompts]
     probe = ParityProbe(seqs, lens, factor=4.0, abs_tol=1e-4)
-    floor = probe.measure_floor(engine.score, lambda q, p: trainer.score_tokens(q, p, use_adapter=False))
+    floor = probe.measure_floor(engine.score(seqs, lens, False), trainer.score_tokens(seqs, lens, use_adapter=False))
     assert 0 < floor < 1e-4
     update = trainer.export_adapter()
     engine.set_adapter(update)
-    kw = dict(engine_score=engine.score, trainer_score=trainer.score_tokens)
+    def kw():
+        return dict(engine_logprobs=engine.score(seqs, lens, True), trainer_logprobs=trainer.score_tokens(seqs, lens))
     ok = probe.check(version=update["version"], step=1, engine_checksums=engine.slot_checksums(),
-                     expected_checksums=expected_checksums(update, torch.float32), **kw)
+                     expected_checksums=expected_checksums(update, torch.float32), **kw())
     assert ok["parity/logp_diff_mean"] <= probe.bound
     # corrupt one family's slot behind the engine's back
     o_proj = lora_adapter_manager(engine.llm).modules["model.layers.1.self_attn.o_proj"]
     o_proj.lora_b_stacked[0][0].mul_(-3.0)
     with pytest.raises(ParityError) as e:
         probe.check(version=update["version"], step=2, engine_checksums=engine.slot_checksums(),
-                    expected_checksums=expected_checksums(update, torch.float32), **kw)
+                    expected_checksums=expected_checksums(update, torch.float32), **kw())
     msg = str(e.value)
     assert f"adapter version {update['version']}" in msg and "o_proj" in msg and "q_proj" not in msg
     assert "exceeds the bound" in msg                                           # the log-probs moved too
