@@ -10,8 +10,12 @@ reads three sets of timers after each step:
   (wall time, argument and result sizes as pickled - what Ray ships - per method);
 - the engine actor's phases (vLLM generate, turning vLLM's outputs into token/log-prob lists, adapter
   writes, scoring for the parity probe);
-- the trainer actor's phases (plan with pi_old log-probs, forward, backward, metrics, optimizer, export).
+- the trainer actor's phases (plan with pi_old log-probs, forward, backward, metrics, optimizer, export,
+  scoring for the parity probe).
 A call's Ray overhead is its wall time in the driver minus the phases its actor reports for it. With
+engine.parity_probe.overlap (on a GPU) the trainer scores the probe beside the next rollout: that row is
+reported under "overlapped_rows_s", outside the step's sum, and the driver's wait for it (driver/probe_wait)
+is in the step. The trainer's timers are read after the next step, so reading them waits for nothing. With
 --sync (default on a GPU) every phase end synchronises CUDA, so GPU time is charged where it is launched.
 Engine start (the placement's set-up) is reported separately from the steps.
 """
@@ -35,9 +39,9 @@ CALL_PHASES = {
     "train_step": ("trainer/plan", "trainer/forward", "trainer/backward", "trainer/metrics", "trainer/optimizer"),
     "sync_adapters": ("trainer/export", "engine/set_adapter"),
     "score": ("engine/score",),
-    # the parity probe: both sides score at once, so these two rows overlap in time (the step's rows then sum to more)
-    "score+score_tokens+slot_checksums": ("engine/score", "trainer/score_tokens"),
 }
+# actor phases that run beside the driver's critical path when engine.parity_probe.overlap is on
+OVERLAPPED = ("trainer:trainer/score_tokens",)
 
 
 class CallMeter:
@@ -93,8 +97,10 @@ def _size(obj) -> int:
         return -1
 
 
-def breakdown(step_time: float, driver: dict, calls: dict, engine: dict, trainer: dict) -> dict:
-    """One step's rows: phase -> seconds, with each call's Ray overhead as its own row."""
+def breakdown(step_time: float, driver: dict, calls: dict, engine: dict, trainer: dict,
+              overlapped: tuple = ()) -> tuple[dict, dict]:
+    """One step's rows: phase -> seconds, with each call's Ray overhead as its own row; and the rows in
+    `overlapped` (they ran beside others, outside the step's sum)."""
     rows = {f"engine:{k}": v["s"] for k, v in engine.items()}
     rows.update({f"trainer:{k}": v["s"] for k, v in trainer.items()})
     rows.update({f"driver:{k}": v["s"] for k, v in driver.items() if k != "driver/log"})
@@ -107,8 +113,9 @@ def breakdown(step_time: float, driver: dict, calls: dict, engine: dict, trainer
         rows[f"ray:{name}"] = max(rec["s"] - sum(inside[p]["s"] for p in phases if p in inside), 0.0)
     if "driver/log" in driver:                   # the logger minus the memory() call inside it
         rows["driver:driver/log"] = max(driver["driver/log"]["s"] - calls.get("memory", {}).get("s", 0.0), 0.0)
+    beside = {k: rows.pop(k) for k in overlapped if k in rows}
     rows["unaccounted"] = step_time - sum(rows.values())
-    return rows
+    return rows, beside
 
 
 def main() -> int:
@@ -133,35 +140,37 @@ def main() -> int:
                                                      "save_every=0", "logger.wandb.mode=disabled"])
     meter = CallMeter(placement_pkg.call)
     placement_pkg.call = meter
-    together = placement_pkg.call_together
-    placement_pkg.call_together = lambda *calls: meter.timed(
-        "+".join(getattr(c[0], "_method_name", "?") for c in calls), together, *calls)
     t0 = time.perf_counter()
     r = train.setup(cfg, folder, resuming=False)
     setup_s = time.perf_counter() - t0
     engine, trainer = r.placement.engine, r.placement.trainer       # pair 0's actors
     for name in ("generate", "train_step", "sync_adapters"):          # the pairs' calls wait with ray.get directly
         meter.wrap(r.placement, name)
-    takers = {"engine": lambda: meter.inner(engine.take_phase_times, sync),
-              "trainer": lambda: meter.inner(trainer.take_phase_times, sync),
-              "driver": lambda: profiling.take_phase_times(sync)}
-    for take in takers.values():
-        take()
+    import ray
+    overlap = bool(cfg["engine"]["parity_probe"]["overlap"])
+    take_driver = lambda: profiling.take_phase_times(sync)                   # noqa: E731
+    take_driver(), ray.get([engine.take_phase_times.remote(sync), trainer.take_phase_times.remote(sync)])
     meter.take()
     from tqdm import tqdm
     bar = tqdm(range(total), desc="step profile", file=sys.stderr)
-    steps = []
+    raw, steps = [], []
     try:
         for step in bar:
             metrics = train.rl_step(r, step, bar)
-            times = {k: take() for k, take in takers.items()}
-            calls = meter.take()
-            rec = {"step": step + 1, "measured": step >= args.warmup, "step_s": metrics["time/step"],
-                   "generated_tokens": round(metrics["rollout/tokens_per_s"] * metrics["time/rollout"]),
-                   "rows": breakdown(metrics["time/step"], times["driver"], calls, times["engine"], times["trainer"]),
-                   "calls": calls, "phases": times,
-                   "metrics": {k: v for k, v in metrics.items() if k.startswith(("time/", "rollout/", "train/tokens"))}}
-            steps.append(rec)
+            # both actors may still score this sync's probe: their timers are queued behind it and read once
+            # the run is over (a read now would wait, and the next step would start late)
+            raw.append((step, metrics, take_driver(), engine.take_phase_times.remote(sync),
+                        trainer.take_phase_times.remote(sync), meter.take()))
+        train.settle(r)
+        for step, metrics, driver, engine_ref, trainer_ref, calls in raw:
+            times = {"driver": driver, "engine": ray.get(engine_ref), "trainer": ray.get(trainer_ref)}
+            rows, beside = breakdown(metrics["time/step"], driver, calls, times["engine"], times["trainer"],
+                                     OVERLAPPED if overlap else ())
+            steps.append({"step": step + 1, "measured": step >= args.warmup, "step_s": metrics["time/step"],
+                          "generated_tokens": round(metrics["rollout/tokens_per_s"] * metrics["time/rollout"]),
+                          "rows": rows, "overlapped_rows": beside, "calls": calls, "phases": times,
+                          "metrics": {k: v for k, v in metrics.items()
+                                      if k.startswith(("time/", "rollout/", "train/tokens", "parity/"))}})
     finally:
         r.placement.shutdown()
         r.folder.close()
@@ -182,6 +191,10 @@ def summarize(args, cfg: dict, setup_s: float, steps: list[dict], sync: bool) ->
         for k, v in s["rows"].items():
             rows[k] += v / len(measured)
     ordered = dict(sorted(rows.items(), key=lambda kv: -kv[1]))
+    beside = defaultdict(float)
+    for s in measured:
+        for k, v in s["overlapped_rows"].items():
+            beside[k] += v / len(measured)
     gen = rows.get("engine:engine/generate", 0.0)
     return {
         "label": args.label, "command": "python bench/step_profile.py " + " ".join(sys.argv[1:]),
@@ -192,7 +205,8 @@ def summarize(args, cfg: dict, setup_s: float, steps: list[dict], sync: bool) ->
             "max_response_len": cfg["algo"]["max_response_len"]},
         "setup_s (engine + trainer start, probe)": setup_s,
         "mean_step_s": mean_step, "generation_share": gen / mean_step if mean_step else 0.0,
-        "mean_rows_s": ordered, "steps": steps,
+        "parity_probe_overlap": bool(cfg["engine"]["parity_probe"]["overlap"]),
+        "mean_rows_s": ordered, "overlapped_rows_s": dict(beside), "steps": steps,
     }
 
 
@@ -214,6 +228,8 @@ def print_table(result: dict) -> None:
     print(f"{'phase':44s} {'s/step':>9s} {'share':>7s}")
     for k, v in result["mean_rows_s"].items():
         print(f"{k:44s} {v:9.4f} {100 * v / step if step else 0:6.1f}%")
+    for k, v in result["overlapped_rows_s"].items():
+        print(f"{k + ' (beside the rollout)':44s} {v:9.4f}")
 
 
 if __name__ == "__main__":

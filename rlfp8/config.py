@@ -45,6 +45,7 @@ def choices() -> dict[str, tuple]:
         "engine.precision": PRECISIONS,
         "engine.release_kv": ("auto", True, False),
         "engine.enforce_eager": ("auto", True, False),
+        "engine.parity_probe.overlap": ("auto", True, False),
         "trainer.weights": WEIGHT_MODES,
         "trainer.kernels": BACKENDS,
         "trainer.device": ("auto", "cpu", "cuda"),
@@ -124,7 +125,8 @@ CPU_MICRO_BATCH_TOKENS, GPU_MICRO_BATCH_TOKENS = 2048, 8192   # trainer.micro_ba
 
 def resolve_auto(cfg: DictConfig) -> None:
     """model.dtype=auto -> bfloat16 where the machine computes it natively, float32 elsewhere;
-    trainer.micro_batch_tokens=auto -> 2048 on a CPU (activation memory), 8192 on a GPU. Resolved once,
+    trainer.micro_batch_tokens=auto -> 2048 on a CPU (activation memory), 8192 on a GPU;
+    engine.parity_probe.overlap=auto -> on a GPU only. Resolved once,
     here, so the engine and the trainer (and a resumed run, which reads the saved config) use one dtype."""
     if cfg.model.dtype == "auto":
         native, where = native_bf16()
@@ -132,6 +134,8 @@ def resolve_auto(cfg: DictConfig) -> None:
         print(f"[rlfp8] model.dtype=auto -> {cfg.model.dtype} ({where})", flush=True)
     if cfg.trainer.micro_batch_tokens == "auto":      # GPU: one large micro-batch (small ones are host-bound)
         cfg.trainer.micro_batch_tokens = GPU_MICRO_BATCH_TOKENS if cuda_available() else CPU_MICRO_BATCH_TOKENS
+    if cfg.engine.parity_probe.overlap == "auto":     # CPU: the trainer's scoring would take the engine's cores
+        cfg.engine.parity_probe.overlap = cuda_available()
 
 
 def cuda_available() -> bool:

@@ -9,6 +9,9 @@ The loop reads as a recipe: setup, then per step rollout (engine samples algo.gr
 prompt, with their log-probs) -> score (rewards, group advantages) -> update (one GRPO update of the
 adapter) -> sync (the new adapter goes to the engine) -> log, evaluate, checkpoint; then finish.
 Design choices:
+- Checks a sync starts (the parity probe's two scorings, one_copy's base checksums) run beside the next
+  rollout (engine.parity_probe.overlap, on a GPU) and settle before the next update, a checkpoint or the
+  end: nothing is trained, saved or reported on an unchecked sync, and the probe's wait leaves the step.
 - The driver holds the tokenizer, the prompt stream and the rewards; the actors hold the model; the
   placement (rlfp8.placement) owns what happens around the phases.
 - Metrics of every step go to metrics.jsonl, W&B and the console; the resolved config sits next to
@@ -56,6 +59,8 @@ class Run:
     placement: Any
     scratch_dir: Path
     probe: Any = None                  # rlfp8.parity.ParityProbe (None: engine.parity_probe.every=0)
+    probe_lora_dtype: Any = None       # the dtype the engine's LoRA slots hold (the probe's checksums cast to it)
+    pending_probe: Any = None          # PendingProbe started at the last sync, until settle()
     start_step: int = 0
     t_start: float = field(default_factory=time.time)
     memory: dict = field(default_factory=dict)       # the last memory/<phase>/* metrics (the plan of an OOM error)
@@ -199,10 +204,12 @@ def rl_step(r: Run, step: int, bar) -> dict[str, float]:
     t_roll = time.time() - t0
     with phase("driver/reward"):
         rewards, batch = score(r, examples, prompt_ids, samples)
+    settled = settle(r)              # the last sync's checks (they ran beside this rollout)
     bar.set_description(f"step {step + 1}: train")
     t1 = time.time()
     with on_out_of_memory("train", r.cfg, r.memory):
         metrics = update(r, batch)
+    metrics.update(settled)
     r.memory.update(phase_metrics("train", {k: metrics.pop(k) for k in list(metrics) if k.startswith("memory/")}))
     t_train = time.time() - t1
     bar.set_description(f"step {step + 1}: sync")
@@ -264,24 +271,49 @@ def update(r: Run, batch) -> dict[str, float]:
 
 def sync(r: Run, step: int) -> dict[str, float]:
     """Each trainer's adapter goes to its engine as tensors (an in-place slot update), then the parity probe
-    (pair 0)."""
-    from rlfp8.placement import call, call_together
+    (pair 0) starts: both sides score the probe batch at once. With engine.parity_probe.overlap the loop does
+    not wait for it here: the trainer scores beside the next rollout and settle() checks the result before
+    the next update; otherwise settle() runs now. Returns the metrics of what settled."""
+    from rlfp8.placement import start_together
+    from rlfp8.rollout.adapter_slots import expected_checksums
     update = r.placement.sync_adapters()
     every = r.cfg["engine"]["parity_probe"]["every"]
-    if r.probe is None or update["version"] % every:
-        return {}
-    import torch
+    if r.probe is not None and update["version"] % every == 0:
+        engine, trainer = r.placement.engine, r.placement.trainer
+        seqs, lens = r.probe.sequences, r.probe.prompt_lens
+        refs = start_together((engine.score, seqs, lens, True), (trainer.score_tokens, seqs, lens),
+                              (engine.slot_checksums,))
+        with phase("driver/probe_checksums"):         # while both actors score
+            expected = expected_checksums(update, r.probe_lora_dtype)
+        r.pending_probe = PendingProbe(update["version"], step, refs, expected)
+    r.placement.after_sync()
+    return {} if r.cfg["engine"]["parity_probe"]["overlap"] else settle(r)
 
-    from rlfp8.rollout.adapter_slots import expected_checksums
-    engine, trainer = r.placement.engine, r.placement.trainer
-    dtype = getattr(torch, call(engine.lora_dtype).replace("torch.", ""))
-    seqs, lens = r.probe.sequences, r.probe.prompt_lens          # both sides score at once (two processes)
-    engine_lp, trainer_lp, slots = call_together((engine.score, seqs, lens, True), (trainer.score_tokens, seqs, lens),
-                                                 (engine.slot_checksums,))
-    with phase("driver/probe_checksums"):
-        expected = expected_checksums(update, dtype)
-    return r.probe.check(version=update["version"], step=step, engine_logprobs=engine_lp, trainer_logprobs=trainer_lp,
-                         engine_checksums=slots, expected_checksums=expected)
+
+@dataclass
+class PendingProbe:
+    """A parity probe started at a sync: Ray refs to the engine's and the trainer's log-probs of the probe
+    batch and the engine's slot checksums, and the checksums the update implies."""
+    version: int
+    step: int
+    refs: list
+    expected: dict
+
+
+def settle(r: Run) -> dict[str, float]:
+    """Check what the last sync started (the placement's checks, the parity probe); raises if one failed.
+    Called before an update, before a checkpoint and at the end: no update, checkpoint or result follows an
+    unchecked sync. The probe's metrics name the adapter version they checked (parity/version)."""
+    import ray
+    r.placement.settle()
+    pending, r.pending_probe = r.pending_probe, None
+    if pending is None:
+        return {}
+    with phase("driver/probe_wait"):
+        engine_lp, trainer_lp, slots = ray.get(pending.refs)
+    metrics = r.probe.check(version=pending.version, step=pending.step, engine_logprobs=engine_lp,
+                            trainer_logprobs=trainer_lp, engine_checksums=slots, expected_checksums=pending.expected)
+    return {**metrics, "parity/version": float(pending.version)}
 
 
 def make_probe(r: Run):
@@ -303,6 +335,8 @@ def make_probe(r: Run):
     r.placement.before_train()          # the trainer computes next: offloaded brings its base back (one_copy: KV out)
     floor = probe.measure_floor(engine_lp, call(trainer.score_tokens, probe.sequences, probe.prompt_lens, False))
     log.info("parity probe: %d sequences, floor (no adapter) mean |dlogp| = %.3e", len(seqs), floor)
+    import torch
+    r.probe_lora_dtype = getattr(torch, call(engine.lora_dtype).replace("torch.", ""))
     return probe
 
 
@@ -332,10 +366,18 @@ def evaluate(r: Run, step: int) -> float:
     return mean
 
 
+def log_settled(r: Run, step: int) -> None:
+    """settle() outside a step (a checkpoint, the end): its metrics go to the log at `step`."""
+    metrics = settle(r)
+    if metrics:
+        r.logger.log(step, metrics)
+
+
 # ---------------------------------------------------------------------------------------- the end
 def finish(r: Run, eval_first: float | None) -> None:
     """Final eval, the adapter, the kernel report, the plot; shut down; print the summary."""
     from rlfp8.placement import call
+    log_settled(r, r.cfg["steps"])
     eval_last = evaluate(r, r.cfg["steps"])
     final = save_final_adapter(r)
     kernels = {"trainer": call(r.placement.trainer.kernel_report), "engine": call(r.placement.engine.kernel_report),
@@ -363,6 +405,7 @@ def finish(r: Run, eval_first: float | None) -> None:
 def save_checkpoint(r: Run, step: int) -> None:
     from rlfp8.placement import call
     from rlfp8.run_folder import driver_rng_state
+    log_settled(r, step)
     r.folder.save_checkpoint(step, lambda d: call(r.placement.trainer.save_checkpoint, d),    # pair 0 writes
                              {"data": r.train_stream.state_dict(), "rng": driver_rng_state(),
                               "num_pairs": r.cfg["ray"]["num_pairs"]}, r.cfg["keep_checkpoints"])

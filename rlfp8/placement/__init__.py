@@ -29,7 +29,13 @@ def call_together(*calls):
     """Start several actor methods at once and wait for them all (actors work side by side):
     call_together((engine.score, seqs, lens), (trainer.score_tokens, seqs, lens)) -> [engine's, trainer's]."""
     import ray
-    return ray.get([method.remote(*args) for method, *args in calls])
+    return ray.get(start_together(*calls))
+
+
+def start_together(*calls) -> list:
+    """Start several actor methods at once without waiting: their object refs, in order (ray.get them later;
+    each actor runs its calls in the order they were started, so a later call to the same actor waits)."""
+    return [method.remote(*args) for method, *args in calls]
 
 
 def placement_class(cfg: dict):

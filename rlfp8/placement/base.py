@@ -2,8 +2,9 @@
 
 The RL loop calls the hooks in this order every step:
     before_rollout -> (generate) -> before_train -> (train_step) -> after_train -> (export + set_adapter)
-    -> after_sync (-> the parity probe, which scores on the engine)
-and after_setup once, when both actors are up. A strategy names its trainer's base-weight source
+    -> after_sync (the parity probe has been started: both sides score) -> settle
+and after_setup once, when both actors are up. settle resolves the checks the sync started (the RL loop calls
+it before the next update, before a checkpoint and at the end), so they can run beside the next rollout. A strategy names its trainer's base-weight source
 (rlfp8.trainer.weights.SOURCES).
 """
 from __future__ import annotations
@@ -40,7 +41,10 @@ class Placement:
         """The trainer is done with this step's update; the engine runs next (the sync's probe scores on it)."""
 
     def after_sync(self) -> None:
-        """The engine holds the new adapter."""
+        """The engine holds the new adapter; the parity probe's calls are queued on both actors."""
+
+    def settle(self) -> None:
+        """Raise if a check started at the last sync failed (waits for it)."""
 
     def shutdown(self) -> None:
         stop_actors(self.actors)

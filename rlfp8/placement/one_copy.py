@@ -4,7 +4,8 @@ gate/up as row views of the engine's fused tensors), so the trainer holds no bas
 engine.release_kv (auto = on, on a GPU) the engine frees its KV cache while the trainer runs and maps it back
 as soon as the update is done (the trainer first returns its cached blocks), before the sync's parity probe
 scores on the engine. placement.checksum_every: every N syncs the engine's and the trainer's checksums of
-the shared base are compared with the one taken at set-up (the base must never be written).
+the shared base are compared with the one taken at set-up (the base must never be written); they are started
+at the sync and compared at settle (before the next update), so they do not hold up the next rollout.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class OneCopy(Placement):
     def after_setup(self) -> None:
         self.kv_released = False
         self.syncs = 0
+        self.pending_base = None        # (syncs, engine's ref, trainer's ref) of checksums started at a sync
         self.checksum = call(self.engine.base_checksums)
         self._compare(call(self.trainer.base_checksums), "right after mapping (trainer vs engine)")
         self.release_kv = call(self.engine.kv_release_enabled)
@@ -52,10 +54,20 @@ class OneCopy(Placement):
         self.syncs += 1
         every = self.cfg["placement"]["checksum_every"]
         if every and self.syncs % every == 0:
-            self.verify_base()
+            self.pending_base = (self.syncs, self.engine.base_checksums.remote(), self.trainer.base_checksums.remote())
+
+    def settle(self) -> None:
+        """The checksums started at the last checked sync equal the set-up ones (raises BaseWrittenError)."""
+        if self.pending_base is None:
+            return
+        import ray
+        syncs, engine_ref, trainer_ref = self.pending_base
+        self.pending_base = None
+        self._compare(ray.get(engine_ref), f"after {syncs} syncs (engine)")
+        self._compare(ray.get(trainer_ref), f"after {syncs} syncs (trainer)")
 
     def verify_base(self) -> None:
-        """Both sides' checksums of the shared base equal the set-up ones (raises BaseWrittenError)."""
+        """Both sides' checksums of the shared base equal the set-up ones now (raises BaseWrittenError)."""
         self._compare(call(self.engine.base_checksums), f"after {self.syncs} syncs (engine)")
         self._compare(call(self.trainer.base_checksums), f"after {self.syncs} syncs (trainer)")
 

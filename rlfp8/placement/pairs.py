@@ -159,13 +159,21 @@ class Pairs:
 
     def sync_adapters(self) -> dict:
         """Each trainer's adapter to its own engine; returns pair 0's update (the parity probe's). The updates go
-        from trainer to engine through Ray's object store as references: the driver only reads pair 0's."""
+        from trainer to engine through Ray's object store as references: the driver only reads pair 0's.
+        The caller starts the parity probe, then calls after_sync (offloaded moves the base out after the
+        trainer has scored: each actor runs its calls in order)."""
         import ray
         updates = [t.export_adapter.remote() for t in self.trainers]
         ray.get([p.engine.set_adapter.remote(u) for p, u in zip(self.pairs, updates)])
+        return ray.get(updates[0])
+
+    def after_sync(self) -> None:
         for p in self.pairs:
             p.after_sync()
-        return ray.get(updates[0])
+
+    def settle(self) -> None:
+        for p in self.pairs:
+            p.settle()
 
     def load_checkpoint(self, ckpt_dir: str) -> None:
         """Every trainer loads the one checkpoint pair 0 wrote."""

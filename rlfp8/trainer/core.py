@@ -113,6 +113,13 @@ class PolicyTrainer(TrainerInterface):
     def restore_base(self) -> None:
         self.weights.restore(self.model, self.device)
 
+    def _require_base(self, what: str) -> None:
+        """Computing on a base that placement=offloaded moved to the host would fail deep inside the model (a
+        device mismatch on a GPU) or, on a CPU, pass unnoticed: name the misordered call instead."""
+        if getattr(self.weights, "offloaded", False):
+            raise RuntimeError(f"trainer.{what} while the base is offloaded to the host (placement=offloaded moves "
+                               f"it out while the engine generates): the placement must call restore_base first")
+
     # ------------------------------------------------------------------ batching
     def _micro_batches(self, rows: list[int], lengths: list[int]) -> list[list[int]]:
         """Pack row indices into micro-batches whose padded size (rows x max length) fits the budget."""
@@ -252,6 +259,7 @@ class PolicyTrainer(TrainerInterface):
         return {"train/grad_norm": float(gn), "train/skipped_steps": self.skipped_steps}
 
     def train_step(self, batch: Rollouts) -> dict[str, float]:
+        self._require_base("train_step")
         t0 = time.time()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -374,6 +382,7 @@ class PolicyTrainer(TrainerInterface):
 
     def score(self, batch: Rollouts) -> list[list[float]]:
         """Trainer log-probs of each row's response tokens (no grad): for tests and diagnostics."""
+        self._require_base("score")
         out = []
         with torch.no_grad():
             for rows in self._micro_batches(list(range(len(batch.input_ids))), [len(s) for s in batch.input_ids]):

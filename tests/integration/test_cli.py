@@ -27,10 +27,13 @@ def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("placement", ["two_copies", "offloaded"])
-def test_three_steps_then_resume(tmp_path, placement):
+@pytest.mark.parametrize("placement,overlap", [("two_copies", False), ("offloaded", True)])
+def test_three_steps_then_resume(tmp_path, placement, overlap):
+    """overlap: the parity probe's trainer half beside the next rollout (offloaded: it must score before its base
+    goes out, which the trainer checks), each version settled before the next update and at the checkpoint."""
     run_dir = tmp_path / "run"
-    r = _cli("steps=3", "save_every=3", f"placement={placement}", f"run_dir={run_dir}", cache=tmp_path / "cache")
+    r = _cli("steps=3", "save_every=3", f"placement={placement}", f"engine.parity_probe.overlap={overlap}",
+             f"run_dir={run_dir}", cache=tmp_path / "cache")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = _rows(run_dir)
     train_rows = [x for x in rows if "reward/mean" in x]
@@ -41,6 +44,8 @@ def test_three_steps_then_resume(tmp_path, placement):
                     "mismatch/tis_clip_frac", "reward/mean", "time/rollout", "time/train", "time/sync"):
             assert key in x and x[key] is not None, key
         assert x["mismatch/kl_k3"] >= 0 and x["mismatch/abs_logp_diff_max"] > 0   # fp8 trainer vs fp32 engine
+    checked = [(x["step"], x["parity/version"]) for x in rows if "parity/version" in x]
+    assert checked == ([(1, 1), (2, 2), (3, 3)] if not overlap else [(2, 1), (3, 2), (3, 3)])
     ckpt = run_dir / "checkpoints" / "step_000003"
     assert (ckpt / "COMPLETE").exists() and (ckpt / "adapter" / "adapter_model.safetensors").exists()
     assert (ckpt / "trainer.pt").exists() and json.loads((ckpt / "driver.json").read_text())["step"] == 3

@@ -125,7 +125,7 @@ def test_the_probe_floor_is_scored_by_the_trainer_after_before_train(direct_call
 
     class Placement:
         engine = FakeActor(log, "engine", generate=[SimpleNamespace(prompt_index=0, token_ids=[5, 6])],
-                           score=[[-0.5, -0.25]])
+                           score=[[-0.5, -0.25]], lora_dtype="torch.float32")
         trainer = FakeActor(log, "trainer", score_tokens=[[-0.5, -0.5]])
 
         def before_rollout(self):
@@ -140,5 +140,5 @@ def test_the_probe_floor_is_scored_by_the_trainer_after_before_train(direct_call
                              "algo": {"max_response_len": 2}}, eval_set=["x"], placement=Placement())
     probe = train.make_probe(r)
     assert log == ["placement.before_rollout", "engine.generate", "engine.score", "placement.before_train",
-                   "trainer.score_tokens"]
+                   "trainer.score_tokens", "engine.lora_dtype"]
     assert probe.floor == pytest.approx(0.125)
