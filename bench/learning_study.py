@@ -50,6 +50,7 @@ OPTIONAL_ARMS: dict[str, list[str]] = {
 # held-out eval every 5 steps for the curves, the same held-out prompts (data.seed) everywhere.
 COMMON = ["engine.kv_cache_memory_gb=4", "engine.enforce_eager=true", "eval_every=5", "data.seed=0"]
 MARGIN_POINTS = 5.0
+MIN_GAIN_POINTS, SATURATED = 20.0, 0.95       # the task: bf16 gains >= 20 points and ends below 95% (task_check)
 LAST_TRAIN_STEPS = 3
 RUN_NAME = re.compile(r"^(?P<arm>[A-Za-z0-9_]+?)__s(?P<seed>\d+)$")
 
@@ -253,6 +254,22 @@ def compare(arms: dict[str, list[RunCurve]], margin: float) -> dict:
     return out
 
 
+def task_check(arms: dict[str, list[RunCurve]]) -> dict:
+    """Is the task a fair test (issue 17)? bf16 RL must gain >= MIN_GAIN_POINTS of held-out reward without
+    saturating (its seed mean ending below SATURATED): on a task every arm finishes at 100%, every arm is
+    "within the spread" whatever it learned."""
+    rs = arms.get(BASELINE, [])
+    if not rs:
+        return {"verdict": "insufficient", "note": f"no complete {BASELINE!r} run"}
+    first = sum(100 * r.evals[0][1] for r in rs) / len(rs)
+    final = sum(100 * r.final_eval() for r in rs) / len(rs)
+    gain_ok, saturated = final - first >= MIN_GAIN_POINTS, final >= 100 * SATURATED
+    return {"bf16_first_eval_points": first, "bf16_final_eval_points": final, "gain_points": final - first,
+            "min_gain_points": MIN_GAIN_POINTS, "saturated_at_points": 100 * SATURATED,
+            "gain_ok": gain_ok, "saturated": saturated,
+            "verdict": "fair" if gain_ok and not saturated else "saturated" if saturated else "too little gain"}
+
+
 def study(runs: list[RunCurve], margin: float = MARGIN_POINTS) -> dict:
     arms, left_out = group_runs(runs)
     summary = {}
@@ -265,7 +282,7 @@ def study(runs: list[RunCurve], margin: float = MARGIN_POINTS) -> dict:
                       "over seeds (Welch-Satterthwaite df); verdict inside/outside/inconclusive against +-margin",
             "baseline": BASELINE, "margin_points": margin, "common_overrides": COMMON,
             "held_out": held_out_check([r for rs in arms.values() for r in rs]),
-            "arms": summary, "comparisons": compare(arms, margin), "left_out": left_out}
+            "task": task_check(arms), "arms": summary, "comparisons": compare(arms, margin), "left_out": left_out}
 
 
 # ------------------------------------------------------------------ the plot
@@ -332,6 +349,11 @@ def main(argv: list[str] | None = None) -> int:
     result["plot"] = str(plot(runs, result, out.with_suffix(".png")))
     out.write_text(json.dumps(result, indent=2))
     print(text_table(result))
+    t = result["task"]
+    if "gain_points" in t:
+        print(f"task: bf16 held-out {t['bf16_first_eval_points']:.1f} -> {t['bf16_final_eval_points']:.1f} points "
+              f"(gain {t['gain_points']:+.1f}, needs >= {t['min_gain_points']:.0f} and a final < "
+              f"{t['saturated_at_points']:.0f}): {t['verdict']}")
     for key, why in result["left_out"].items():
         print(f"left out {key}: {why}")
     print(f"wrote {out} and {result['plot']}")

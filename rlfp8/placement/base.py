@@ -1,11 +1,11 @@
 """A placement: where the engine and the trainer live and what happens around each phase.
 
 The RL loop calls the hooks in this order every step:
-    before_rollout -> (generate) -> before_train -> (train_step) -> after_train -> (export + set_adapter)
-    -> after_sync (the parity probe has been started: both sides score) -> settle
-and after_setup once, when both actors are up. settle resolves the checks the sync started (the RL loop calls
-it before the next update, before a checkpoint and at the end), so they can run beside the next rollout. A strategy names its trainer's base-weight source
-(rlfp8.trainer.weights.SOURCES).
+    before_rollout -> (generate) -> settle -> before_train -> (train_step) -> after_train
+    -> (export + set_adapter, the parity probe started: both sides score) -> after_sync
+and after_setup once, when both actors are up. settle checks what the last sync started (the RL loop also calls
+it before a checkpoint and at the end), so those checks can run beside the next rollout. A strategy names its
+trainer's base-weight source (rlfp8.trainer.weights.SOURCES).
 """
 from __future__ import annotations
 

@@ -92,6 +92,20 @@ def test_study_on_synthetic_runs(ls, tmp_path):
     assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_task_check_needs_a_bf16_gain_without_saturation(ls, tmp_path):
+    """The synthetic bf16 arm goes 76 -> 94 points: 18 < 20 gained. A 30-point gain ending at 66 is fair; one
+    ending at 100 is saturated (every arm would sit 'within the spread' there)."""
+    res = ls.study([ls.read_run(n, p) for n, p in ls.metrics_files([str(synthetic_study(tmp_path))])])
+    assert res["task"]["verdict"] == "too little gain" and res["task"]["gain_points"] == pytest.approx(18.0)
+
+    def arm(first, final):
+        return {"bf16": [ls.RunCurve("bf16", s, "x", evals=[(0, first), (20, final)]) for s in range(3)]}
+    fair, saturated = ls.task_check(arm(0.36, 0.66)), ls.task_check(arm(0.72, 1.0))
+    assert fair["verdict"] == "fair" and fair["gain_points"] == pytest.approx(30.0)
+    assert saturated["verdict"] == "saturated" and saturated["saturated"]
+    assert ls.task_check({})["verdict"] == "insufficient"
+
+
 def test_last3_train_reward_is_the_mean_of_the_last_three_steps(ls, tmp_path):
     run = write_run(tmp_path, "bf16__s0", 0.9, 0.9)
     curve = ls.read_run("bf16__s0", run / "metrics.jsonl")
