@@ -51,7 +51,7 @@ OPTIONAL_ARMS: dict[str, list[str]] = {
 COMMON = ["engine.kv_cache_memory_gb=4", "engine.enforce_eager=true", "eval_every=5", "data.seed=0"]
 # The task: two-digit addition (the quickstart's one-digit task ends at 100% held-out for every arm, which
 # makes any arm "within the spread"). SmolLM2-135M answers 18% of 100 held-out prompts greedily before
-# training; on this CPU (float32) the bf16-style arm reached 60% at step 5 and 64% at step 10 (bench/README.md).
+# training; on this CPU (float32) it reached 60% at step 5 and 66% at step 15 (bench/README.md).
 # 100 held-out prompts: one prompt is one point of the interval, not four as with the quickstart's 25.
 TASK = ["data.digits=2", "data.eval_size=100", "steps=20"]
 MARGIN_POINTS = 5.0
