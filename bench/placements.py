@@ -35,9 +35,12 @@ per phase (total - free after each phase), the KV cache during rollouts, generat
 wall time. With >= 2 steps the first (compilation) is excluded; a run with one step reports it as `cold`.
 At the 32B shape with 4k rollouts the issue's acceptance: (a)'s step time <= 0.75x (d)'s and its KV cache during
 rollouts >= 1.5x (d)'s, computed here with PASS / FAIL (N/A with the reason when either side has no result).
---budget-s bounds the whole invocation: a run starts only if its estimated start and first step fit in what is
-left, and its timeout is what is left (a killed run still reports the steps it logged). A run's process group is
-killed on timeout (Ray's actors with it) so the next run finds the GPU free.
+--budget-s bounds the whole invocation, in --configs order (= priority): a run gets --steps if what is left after
+it still covers one step of every later configuration, else 1 step; it is skipped if not even its start and one
+step fit; its timeout is what is left (a killed run still reports the steps it logged). The estimates come from
+TIME_MODEL (measured terms from the H200 8B profile, assumed ones marked) and are printed by --dry-run, which
+also shows what the budget would run; the JSON records each run's measured engine / trainer start to refine them.
+A run's process group is killed on timeout or on SIGTERM (Ray's actors with it), so the next run finds the GPU free.
 """
 from __future__ import annotations
 
