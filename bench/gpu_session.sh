@@ -16,6 +16,12 @@
 #   study    the learning study (issue 17): bench/learning_study.py's arms x SEEDS through bench/e2e.py --parallel
 #            (STUDY_PARALLEL at once), then its statistics -> $OUT/r/learning_h200.{json,png}, runs under $OUT/study;
 #            STUDY_ARMS / STUDY_EXTRA (overrides for every run, e.g. a harder task); DRY_RUN=1 prints the command only
+#   placements_32b  one call: bench/placements.py at the Qwen3-32B shape, 4k-token rollouts, configurations (a) (b) (d)
+#            (issue 14's acceptance lines; each run sized and scheduled by the script's plan and --budget-s)
+#   placements_8b   one call: the same at the Qwen3-8B shape, 1k-token rollouts, all five configurations
+#            both: P_CONFIGS (order = priority), P_STEPS (2; the budget lowers a run to 1), P_BUDGET_S (520),
+#            P_EXTRA (overrides for every run), DRY_RUN=1 (the plans only); results $OUT/r/placements_<shape>_h200.json,
+#            runs (metrics, configs, log tails) in $OUT/placements_<shape>.tgz
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -155,6 +161,21 @@ study)     # one call: arms x SEEDS learning runs (~9 min budget), then the stat
     for f in "$root"/*.log; do tail -c 6000 "$f" > "$OUT/study/$(basename "$f")"; done
     $PY bench/learning_study.py analyze --out "$OUT/r/learning_h200.json" "$OUT/study" 2>&1 | tail -20
     ;;
+placements_32b)  # ~9 min: (a) runs (1 step by the estimate), (d) is refused by the fit check, (b) if the budget allows
+    P_SHAPE=qwen3_32b P_LEN=4096 P_CONFIGS=${P_CONFIGS:-a,d,b} bash "$0" placements ;;
+placements_8b)   # ~9 min: the five configurations at 8B / 1k in priority order (the budget skips the last if slow)
+    P_SHAPE=qwen3_8b P_LEN=1024 P_CONFIGS=${P_CONFIGS:-a,d,e,b,c} bash "$0" placements ;;
+placements)      # P_SHAPE, P_LEN, P_CONFIGS (see placements_32b / placements_8b)
+    shopt -s nullglob; name=placements_${P_SHAPE#qwen3_}; root=/tmp/$name/$(date +%H%M%S); mkdir -p "$OUT/r" "$OUT/$name"
+    timeout 565 $PY bench/placements.py --shape "$P_SHAPE" --response-len "$P_LEN" --configs "$P_CONFIGS" \
+        --steps ${P_STEPS:-2} --budget-s ${P_BUDGET_S:-520} --runs-root "$root" --extra "${P_EXTRA:-}" ${DRY_RUN:+--dry-run} \
+        --out "$OUT/r/${name}_h200.json" > "$OUT/$name.log" 2>&1; echo "placements rc=$?"
+    grep -v "^INFO\|^WARNING\|^(\|^\[36m" "$OUT/$name.log" | grep -v "^== .*rlfp8.train" | tail -45
+    for d in "$root"/*/; do n=$(basename "$d"); mkdir -p "$OUT/$name/$n"
+        cp "$d/metrics.jsonl" "$d/config.yaml" "$d/kernels.json" "$OUT/$name/$n/" 2>/dev/null; done
+    for f in "$root"/*.log; do tail -c 20000 "$f" > "$OUT/$name/$(basename "$f")"; done
+    tar czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "$OUT/$name"
+    ;;
 *)
-    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn|trace|diagnose|study|final_a|final_b|round_kernels|round_engine [--run NAME:overrides ...]"; exit 2 ;;
+    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn|trace|diagnose|study|final_a|final_b|round_kernels|round_engine|placements_32b|placements_8b [--run NAME:overrides ...]"; exit 2 ;;
 esac

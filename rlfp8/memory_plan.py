@@ -124,14 +124,30 @@ def estimate(cfg: dict, arch: dict) -> dict[str, float]:
     kv = float(ecfg["kv_cache_memory_gb"]) * gib if ecfg["kv_cache_memory_gb"] else kv_need
     one_copy = cfg["placement"]["name"] == "one_copy"
     trainer_base = 0 if one_copy else proj * (1 if tcfg["weights"] == "fp8" else elem)
+    # a random model's embeddings/lm_head are mapped from the engine too with one_copy (rlfp8/trainer/weights.py)
+    trainer_dense = 0 if one_copy and str(cfg["model"]["path"]).startswith("random:") else dense
     per_layer_token = (16 * h + 6 * inter) * 2                  # saved bf16 activations of one decoder layer
     tokens = int(tcfg["micro_batch_tokens"])
     saved = layers * h * 2 + per_layer_token if tcfg["gradient_checkpointing"] else layers * per_layer_token
     acts = tokens * saved + 3 * int(tcfg["logprob_chunk"]) * arch["vocab_size"] * 4
+    adapter = adapter_params(cfg, arch)
     plan = {"engine_weights": (proj * eng_bytes + dense) / gib, "kv_cache": kv / gib, "kv_cache_needed": kv_need / gib,
-            "trainer_base": trainer_base / gib, "trainer_dense": dense / gib, "trainer_activations": acts / gib}
+            "trainer_base": trainer_base / gib, "trainer_dense": trainer_dense / gib, "trainer_activations": acts / gib,
+            # the adapter in fp32 with its gradient and AdamW's two moments; the engine's slot in the model dtype
+            "trainer_optimizer": adapter * 16 / gib, "engine_lora": adapter * elem / gib}
     released = one_copy and ecfg["release_kv"] in ("auto", True)
     rollout = plan["engine_weights"] + plan["kv_cache"] + plan["trainer_base"] + plan["trainer_dense"]
     train = plan["engine_weights"] + plan["trainer_base"] + plan["trainer_dense"] + plan["trainer_activations"]
     plan["peak"] = max(rollout, train) if released else rollout + plan["trainer_activations"]
     return plan
+
+
+def adapter_params(cfg: dict, arch: dict) -> int:
+    """Trainable LoRA parameters: adapter.rank x (in + out features) of every adapted projection of every layer."""
+    h, inter, heads = arch["hidden_size"], arch["intermediate_size"], arch["num_attention_heads"]
+    head_dim = arch.get("head_dim") or h // heads
+    q, kv = heads * head_dim, arch["num_key_value_heads"] * head_dim
+    in_out = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
+              "up_proj": (h, inter), "down_proj": (inter, h)}
+    per_layer = sum(sum(in_out[m]) for m in cfg["adapter"]["target_modules"] if m in in_out)
+    return int(cfg["adapter"]["rank"]) * per_layer * arch["num_hidden_layers"]

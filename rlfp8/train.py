@@ -196,6 +196,7 @@ def rl_step(r: Run, step: int, bar) -> dict[str, float]:
     phase is logged as memory/<phase>/* (GPU); an out-of-memory error shows the plan (rlfp8.memory_plan)."""
     from rlfp8.memory_plan import on_out_of_memory, phase_metrics
     from rlfp8.placement import call
+    r.placement.take_move_times()        # the step's own moves only (an eval before it moved things too)
     t0 = time.time()
     bar.set_description(f"step {step + 1}: rollout")
     with on_out_of_memory("rollout", r.cfg, r.memory):
@@ -218,6 +219,7 @@ def rl_step(r: Run, step: int, bar) -> dict[str, float]:
         metrics.update(sync(r, step + 1))
     t_sync = time.time() - t2
     metrics.update(rollout_metrics(r, rewards, samples))
+    metrics.update(r.placement.take_move_times())
     metrics.update({"time/rollout": t_roll, "time/train": t_train, "time/sync": t_sync,
                     "time/step": time.time() - t0,
                     "rollout/tokens_per_s": sum(len(s.token_ids) for s in samples) / max(t_roll, 1e-9),

@@ -15,6 +15,8 @@ With one pair none of this runs: no process group, the same calls as before.
 from __future__ import annotations
 
 import logging
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from . import call, make_placement, placement_class
@@ -101,13 +103,33 @@ class Pairs:
 
 
     # ------------------------------------------------------------------ the phases
+    @contextmanager
+    def _timed_hook(self, hook: str):
+        """Seconds in the placements' phase hooks: what each placement moves around a phase (offloaded: the base
+        in before_train / out after_sync; one_copy: the KV cache out before_train / back after_train)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            times = self.__dict__.setdefault("hook_times", {})
+            times[hook] = times.get(hook, 0.0) + time.perf_counter() - t0
+
+    def take_move_times(self) -> dict[str, float]:
+        """time/moves/<hook> since the last call and their sum time/moves (inside time/rollout: before_rollout;
+        time/train: before_train, after_train; time/sync: after_sync)."""
+        times, self.hook_times = self.__dict__.get("hook_times", {}), {}
+        out = {f"time/moves/{hook}": s for hook, s in times.items()}
+        return {**out, "time/moves": sum(times.values())}
+
     def before_rollout(self) -> None:
-        for p in self.pairs:
-            p.before_rollout()
+        with self._timed_hook("before_rollout"):
+            for p in self.pairs:
+                p.before_rollout()
 
     def before_train(self) -> None:
-        for p in self.pairs:
-            p.before_train()
+        with self._timed_hook("before_train"):
+            for p in self.pairs:
+                p.before_train()
 
     def generate(self, prompt_ids: list[list[int]], n: int, *args, seed: int | None = None, **kwargs) -> list:
         """engine.generate over the pairs (contiguous prompt shares, side by side; fewer prompts than pairs, as
@@ -129,8 +151,9 @@ class Pairs:
         """One update: each trainer its share's rows (a share = its pair's prompts' groups), gradients summed;
         then each placement's after_train."""
         metrics = self._train_step(batch)
-        for p in self.pairs:
-            p.after_train()
+        with self._timed_hook("after_train"):
+            for p in self.pairs:
+                p.after_train()
         return metrics
 
     def _train_step(self, batch) -> dict[str, float]:
@@ -168,8 +191,9 @@ class Pairs:
         return ray.get(updates[0])
 
     def after_sync(self) -> None:
-        for p in self.pairs:
-            p.after_sync()
+        with self._timed_hook("after_sync"):
+            for p in self.pairs:
+                p.after_sync()
 
     def settle(self) -> None:
         for p in self.pairs:

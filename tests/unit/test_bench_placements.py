@@ -1,7 +1,10 @@
-"""bench/placements.py (run on a GPU): its arguments parse, each placement's overrides compose into a valid config
-(the same prompts and sizes for all), and the table is built from a run folder's metrics."""
+"""bench/placements.py (run on a GPU): issue 14's configurations compose into valid configs with the same prompts,
+the memory plan sizes every KV cache by one rule and refuses what cannot fit (naming the configuration and the
+keys), the budget schedules steps and skips, and the table / acceptance verdicts come from run metrics."""
 import json
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -9,36 +12,156 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import placements as bench  # noqa: E402
 
-
-def test_args_and_every_placement_composes(tmp_path):
-    from rlfp8.config import compose_dict
-    args = bench.parse_args(["--out", str(tmp_path / "p.json"), "--steps", "2", "--response-len", "128"])
-    assert args.placements == list(bench.PLACEMENTS)
-    cfgs = {p: compose_dict(bench.overrides(args, p, tmp_path / p)) for p in args.placements}
-    for p, cfg in cfgs.items():
-        assert cfg["placement"]["name"] == p and cfg["model"]["path"] == "random:qwen3_8b"
-        assert cfg["engine"]["precision"] == "w8a16" and cfg["engine"]["enforce_eager"] is True
-        assert cfg["algo"]["max_response_len"] == 128 and cfg["steps"] == 2
-    same = {k: {json.dumps(c[k], sort_keys=True) for c in cfgs.values()} for k in ("data", "algo", "adapter", "seed")}
-    assert all(len(v) == 1 for v in same.values()), same          # the same prompts and batch everywhere
-    assert cfgs["one_copy"]["placement"]["checksum_every"] == 0
+from rlfp8.models import architecture_config  # noqa: E402
 
 
-def test_bad_placement_is_refused(tmp_path):
+def _args(*extra):
+    return bench.parse_args(["--out", "/tmp/unused.json", *extra])
+
+
+def _planned(shape, name, device_gib=bench.H200_DEVICE_GIB, host_gib=bench.H200_HOST_GIB, extra=()):
+    args = _args("--shape", shape, "--response-len", "4096" if shape == "qwen3_32b" else "1024", *extra)
+    cfg = bench.compose(bench.overrides(args, name, None, None))
+    return cfg, bench.memory_plan(name, cfg, architecture_config(shape), device_gib, host_gib)
+
+
+def test_every_configuration_composes_with_what_it_names(tmp_path):
+    args = _args("--shape", "qwen3_8b", "--steps", "2")
+    assert args.configs == list("abcde")
+    cfgs = {n: bench.compose(bench.overrides(args, n, tmp_path / n, 50.0)) for n in args.configs}
+    want = {"a": ("one_copy", "w8a16", "fp8", "none"), "b": ("one_copy", "w8a8", "fp8", "tis"),
+            "c": ("two_copies", "w8a16", "fp8", "none"), "d": ("offloaded", "bf16", "bf16", "none"),
+            "e": ("offloaded", "w8a8_vllm", "bf16", "tis")}
+    for n, cfg in cfgs.items():
+        got = (cfg["placement"]["name"], cfg["engine"]["precision"], cfg["trainer"]["weights"], cfg["algo"]["correction"])
+        assert got == want[n], n
+        assert cfg["model"]["path"] == "random:qwen3_8b" and cfg["engine"]["kv_cache_memory_gb"] == 50.0
+        assert cfg["engine"]["max_model_len"] == 1024 + bench.PROMPT_TOKENS and cfg["steps"] == 2
+        assert cfg["engine"]["enforce_eager"] is True and cfg["engine"]["parity_probe"]["every"] == 0
+    assert cfgs["a"]["engine"]["release_kv"] == "auto"               # = on for one_copy on a GPU
+    same = {k: {json.dumps(c[k], sort_keys=True) for c in cfgs.values()} for k in ("data", "adapter", "seed")}
+    assert all(len(v) == 1 for v in same.values()), same          # the same prompts and adapter everywhere
+    assert {(c["algo"]["group_size"], c["data"]["prompts_per_step"]) for c in cfgs.values()} == {(8, 8)}
+
+
+def test_bad_configuration_and_missing_out_are_refused():
     with pytest.raises(SystemExit):
-        bench.parse_args(["--out", str(tmp_path / "p.json"), "--placements", "one_copy,three_copies"])
+        bench.parse_args(["--out", "x.json", "--configs", "a,z"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--shape", "qwen3_8b"])
 
 
-def test_summary_and_table_from_metrics(tmp_path):
-    rows = [{"step": s, "reward/mean": 0.0, "time/rollout": 4.0, "time/train": 6.0, "time/sync": 0.5,
-             "time/step": 10.5, "rollout/tokens_per_s": 1000.0 * s, "train/tokens_per_s": 3000.0,
-             "memory/rollout/total_gib": 140.0, "memory/rollout/free_gib": 100.0 - s, "memory/rollout/kv_cache_gib": 24.0,
+def test_every_kv_cache_is_what_its_placement_leaves_of_the_same_usable_memory():
+    usable = bench.USABLE_FRACTION * bench.H200_DEVICE_GIB - bench.ENGINE_RUNTIME_GIB
+    for name in "abcde":
+        _, plan = _planned("qwen3_8b", name)
+        parts = [plan["rollout_parts_gib"]] + ([] if plan["kv_released_while_training"] else [plan["train_parts_gib"]])
+        assert plan["kv_budget_gib"] + max(sum(p.values()) for p in parts) == pytest.approx(usable), name
+        assert plan["refused"] is None and plan["kv_budget_gib"] > plan["kv_needed_gib"], name
+    _, a = _planned("qwen3_8b", "a")
+    _, c = _planned("qwen3_8b", "c")
+    _, d = _planned("qwen3_8b", "d")
+    assert a["kv_budget_gib"] > c["kv_budget_gib"] > d["kv_budget_gib"]      # one copy > two FP8 > two bf16
+    assert d["host_pinned_gib"] == pytest.approx(d["train_parts_gib"]["trainer_base"]) and a["host_pinned_gib"] == 0
+
+
+def test_the_fit_check_refuses_naming_the_configuration_and_the_keys():
+    _, d32 = _planned("qwen3_32b", "d")           # two 16-bit copies of 32B: 122 GiB before any KV cache
+    assert d32["refused"].startswith("configuration d (offloaded bf16 trainer + bf16 engine (verl)) cannot fit")
+    assert "engine.precision=bf16" in d32["refused"] and "trainer.weights=bf16" in d32["refused"]
+    _, a32 = _planned("qwen3_32b", "a")
+    assert a32["refused"] is None and a32["kv_budget_gib"] >= a32["kv_needed_gib"]   # the whole 8 x 8 x 4k batch
+    _, small = _planned("qwen3_32b", "a", device_gib=40.0)
+    assert "configuration a" in small["refused"] and "engine.precision=w8a16" in small["refused"]
+    _, update = _planned("qwen3_32b", "a", extra=("--extra", "trainer.micro_batch_tokens=600000"))
+    assert "cannot fit its update" in update["refused"] and "trainer.micro_batch_tokens=600000" in update["refused"]
+    _, host = _planned("qwen3_8b", "d", host_gib=16.0)
+    assert "host copy" in host["refused"] and "trainer.weights=bf16" in host["refused"]
+
+
+def _entries(*names, budget=0.0, steps=2):
+    args = _args("--shape", "qwen3_8b", "--configs", ",".join(names), "--steps", str(steps), "--budget-s", str(budget))
+    return args, bench.plan_all(args, bench.H200_DEVICE_GIB, bench.H200_HOST_GIB)
+
+
+def test_the_budget_lowers_steps_then_skips_and_compilation_is_paid_once_per_kind():
+    args, entries = _entries("a", "c", "d")
+    assert entries["a"]["estimate_s"]["compile_s"] == 35.0        # engine w8a16 + trainer fp8: new
+    assert entries["c"]["estimate_s"]["compile_s"] == 0.0         # the same kernels: Triton's cache
+    assert entries["d"]["estimate_s"]["compile_s"] == 35.0        # bf16 engine + bf16 trainer: new
+    assert bench.schedule(args, entries, "a", 0) == (2, "")        # no budget: --steps
+    ests = {n: e["estimate_s"] for n, e in entries.items()}
+    two_then_one_each = bench.run_s(ests["a"], 2) + bench.run_s(ests["c"], 1) + bench.run_s(ests["d"], 1)
+    args.budget_s = 1e9
+    assert bench.schedule(args, entries, "a", two_then_one_each) == (2, "")
+    steps, why = bench.schedule(args, entries, "a", two_then_one_each - 1)
+    assert steps == 1 and why.startswith("1 step")
+    steps, why = bench.schedule(args, entries, "d", bench.run_s(ests["d"], 1) - ests["d"]["end_s"] - 1)
+    assert steps is None and why.startswith("--budget-s")
+
+
+def test_dry_run_prints_plans_commands_and_refusals(capsys):
+    assert bench.main(["--shape", "qwen3_32b", "--response-len", "4096", "--configs", "a,d", "--dry-run",
+                       "--budget-s", "520"]) == 0
+    out = capsys.readouterr().out
+    assert "| a: one_copy + w8a16 + KV release (ours) | 32.5 | 0.0 | 4.0 |" in out
+    _, plan = _planned("qwen3_32b", "a")
+    assert "refused: configuration d" in out and f"engine.kv_cache_memory_gb={plan['kv_budget_gib']:.2f}" in out
+
+
+def _metrics(tmp_path, steps, kv):
+    rows = [{"step": s, "reward/mean": 0.0, "time/rollout": 4.0 * (2 if s == 1 else 1), "time/train": 6.0,
+             "time/sync": 0.5, "time/moves": 0.25, "time/moves/before_train": 0.25, "time/step": 10.5,
+             "rollout/tokens_per_s": 1000.0 * s, "train/tokens_per_s": 3000.0,
+             "memory/rollout/total_gib": 140.0, "memory/rollout/free_gib": 100.0 - s, "memory/rollout/kv_cache_gib": kv,
              "memory/train/total_gib": 140.0, "memory/train/free_gib": 110.0, "memory/train/kv_cache_gib": 0.0,
-             "memory/train/trainer_base_gib": 0.0} for s in (1, 2, 3)]
+             "memory/train/trainer_base_gib": 0.0} for s in range(1, steps + 1)]
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    summary = bench.summarize(tmp_path)
-    assert summary["memory_gib"]["rollout"]["device_used_gib"] == 43.0       # the worst step
-    assert summary["rollout_tokens_per_s"] == 2500.0                         # first step excluded
-    text = bench.table({"one_copy": {**summary, "wall_s": 90.0, "returncode": 0}, "offloaded": {"returncode": 1}})
-    assert "| one_copy | 4.0 | 6.0 | 0.5 | 10.5 | 43.0 / 30.0 | 24.0 / 0.0 | 0.00 |" in text
-    assert "| offloaded | failed (rc 1) |" in text
+    return bench.summarize(tmp_path)
+
+
+def test_summary_table_and_acceptance_from_metrics(tmp_path):
+    a = _metrics(tmp_path / "a", 2, kv=90.0)
+    assert a["timed_steps"] == 1 and not a["cold"] and a["step_time_s"]["rollout"] == 4.0   # step 1 excluded
+    assert a["moves_s"] == {"before_train": 0.25} and a["memory_gib"]["rollout"]["device_used_gib"] == 42.0
+    d = {**_metrics(tmp_path / "d", 1, kv=50.0), "step_time_s": {"step": 20.0}}
+    assert d["cold"]
+    _, plan = _planned("qwen3_8b", "a")
+    configs = {"a": {**a, "status": "ran", "returncode": 0, "wall_s": 90.0, "plan": plan},
+               "d": {**d, "status": "ran", "returncode": 0}}
+    acc = bench.acceptance({"shape": "qwen3_32b", "response_len": 4096, "configs": configs})
+    assert acc["applies"] and acc["step_time"]["verdict"] == "PASS" and acc["step_time"]["ratio"] == 10.5 / 20.0
+    assert acc["kv_cache_rollout"]["verdict"] == "PASS" and acc["kv_cache_rollout"]["ratio"] == 90.0 / 50.0
+    configs["d"]["step_time_s"] = {"step": 12.0}
+    configs["d"]["memory_gib"]["rollout"]["kv_cache_gib"] = 70.0
+    acc = bench.acceptance({"shape": "qwen3_8b", "response_len": 1024, "configs": configs})
+    assert not acc["applies"] and acc["step_time"]["verdict"] == "FAIL" and acc["kv_cache_rollout"]["verdict"] == "FAIL"
+    refused = {"a": configs["a"], "d": {"status": "refused", "refused": "configuration d cannot fit"}}
+    acc = bench.acceptance({"shape": "qwen3_32b", "response_len": 4096, "configs": refused})
+    assert acc["step_time"] == {"verdict": "N/A", "why": "(d) refused: configuration d cannot fit"}
+    assert "(a) step time <= 0.75 x (d): N/A" in bench.acceptance_text(acc)
+    text = bench.table({"a": configs["a"], "d": refused["d"]})
+    assert "| a | 4.0 | 6.0 | 0.5 | 0.2 | 10.5 | 42.0 / 30.0 / - | 90.0 (113.6) | 2000 | 3000 | 90.0 |" in text
+    assert "| d | refused: configuration d cannot fit |" in text
+
+
+def test_a_timed_out_run_is_killed_with_its_whole_process_group():
+    """The run's child (bash) and its own child (a background sleep, as Ray's actors are the driver's) both end;
+    the grandchild may linger as a zombie until init reaps it, but it runs no more."""
+    p = subprocess.Popen(["bash", "-c", "sleep 300 & echo $!; wait"], start_new_session=True, stdout=subprocess.PIPE,
+                         text=True)
+    grandchild = int(p.stdout.readline())
+    bench._kill_group(p)
+    assert p.poll() is not None
+
+    def state(pid):
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return "gone"
+    for _ in range(50):
+        if state(grandchild) in ("gone", "Z", "X"):
+            break
+        time.sleep(0.1)
+    assert state(grandchild) in ("gone", "Z", "X")

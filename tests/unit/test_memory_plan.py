@@ -68,3 +68,22 @@ def test_other_errors_pass_unchanged(cfg):
 
 def test_phase_metrics_prefix():
     assert phase_metrics("train", {"memory/trainer_peak_gib": 1.5}) == {"memory/train/trainer_peak_gib": 1.5}
+
+
+def test_adapter_and_optimizer_sizes_match_the_trainer_at_qwen3_8b():
+    """adapter_params reproduces the trainer's count on the H200 (its log: 87293952 trainable params at rank 32);
+    the optimizer holds 16 bytes per parameter (fp32 value, gradient, two AdamW moments); one_copy on a random
+    model maps the engine's embeddings/lm_head too, so the trainer owns no dense tensors there."""
+    from rlfp8.memory_plan import adapter_params, estimate
+    from rlfp8.models import architecture_config
+    arch = architecture_config("qwen3_8b")
+    cfg = compose_dict(["recipe=qwen3_8b_math", "model.dtype=bfloat16"])
+    assert adapter_params(cfg, arch) == 87293952
+    plan = estimate(cfg, arch)
+    assert plan["trainer_optimizer"] == pytest.approx(87293952 * 16 / 2**30)
+    assert plan["engine_lora"] == pytest.approx(87293952 * 2 / 2**30)
+    assert plan["trainer_dense"] == 0 and plan["trainer_base"] == 0
+    two = estimate(compose_dict(["recipe=qwen3_8b_math", "model.dtype=bfloat16", "placement=two_copies"]), arch)
+    assert two["trainer_dense"] == pytest.approx(2 * 151936 * 4096 * 2 / 2**30)
+    q_only = compose_dict(["recipe=qwen3_8b_math", "adapter.target_modules=[q_proj]", "adapter.rank=8"])
+    assert adapter_params(q_only, arch) == 8 * (4096 + 4096) * 36

@@ -74,6 +74,22 @@ def test_without_kv_release_the_hooks_call_nothing(direct_calls):
     assert log == ["trainer.train_step"]
 
 
+def test_the_hooks_are_timed_as_weight_moves(direct_calls, monkeypatch):
+    """Pairs times each phase hook (time/moves/<hook>, their sum time/moves) and take_move_times resets them:
+    bench/placements.py reads them as the step's weight moves (KV out / back here, offloaded's base in / out)."""
+    clock = iter(range(0, 100, 1))
+    monkeypatch.setattr(pairs_mod.time, "perf_counter", lambda: float(next(clock)))
+    ps = _pairs(_one_copy([]))
+    ps.before_rollout()                 # 0 -> 1
+    ps.before_train()                   # 2 -> 3
+    ps.train_step(batch=None)           # after_train: 4 -> 5
+    ps.after_sync()                     # 6 -> 7
+    ps.before_train()                   # 8 -> 9: accumulates
+    assert ps.take_move_times() == {"time/moves/before_rollout": 1.0, "time/moves/before_train": 2.0,
+                                    "time/moves/after_train": 1.0, "time/moves/after_sync": 1.0, "time/moves": 5.0}
+    assert ps.take_move_times() == {"time/moves": 0.0}
+
+
 def test_engine_refuses_to_score_on_a_released_cache():
     from rlfp8.rollout.engine import RolloutEngine
     eng = RolloutEngine.__new__(RolloutEngine)
