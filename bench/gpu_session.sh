@@ -22,6 +22,11 @@
 #            both: P_CONFIGS (order = priority), P_STEPS (2; the budget lowers a run to 1), P_BUDGET_S (520),
 #            P_EXTRA (overrides for every run), DRY_RUN=1 (the plans only); results $OUT/r/placements_<shape>_h200.json,
 #            runs (metrics, configs, log tails) in $OUT/placements_<shape>.tgz
+#   round_study   one call: the learning study, every arm x 3 seeds at once (issue 17), tarred to study.tgz
+#   round_checks  one call: the GPU tests (kernels, DoRA, host-fast, PDL, one_copy, plugin) beside rlfp8-diagnose
+#            on the Qwen3-8B shape (background); tarred to checks.tgz
+#   round_timing  one call, nothing else on the GPU: the step profile (quickstart, probe overlap on and off),
+#            bench/dora.py at r = 64 and 384, the training linear's per-kernel profile
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -176,6 +181,32 @@ placements)      # P_SHAPE, P_LEN, P_CONFIGS (see placements_32b / placements_8b
     for f in "$root"/*.log; do tail -c 20000 "$f" > "$OUT/$name/$(basename "$f")"; done
     tar czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "$OUT/$name"
     ;;
+round_study)
+    SEEDS=${SEEDS:-0,1,2} STUDY_PARALLEL=${STUDY_PARALLEL:-9} STUDY_TIMEOUT=${STUDY_TIMEOUT:-555} \
+        RUN_TIMEOUT=${RUN_TIMEOUT:-545} bash "$0" study
+    tar czf "$OUT/study.tgz" -C "$OUT" study r 2>/dev/null && rm -rf "$OUT/study" "$OUT/r"
+    ;;
+round_checks)
+    mkdir -p "$OUT/r"
+    MODEL=qwen3_8b_shape bash "$0" diagnose > "$OUT/diagnose_stage.log" 2>&1 &
+    diag=$!
+    timeout 300 $PY -m pytest tests/gpu/test_kernels_gpu.py tests/gpu/test_dora_gpu.py tests/gpu/test_host_fast_gpu.py \
+        tests/gpu/test_pdl_gpu.py -m gpu -q -rs --timeout 280 > "$OUT/gpu_kernel_tests.log" 2>&1
+    echo "kernel tests rc=$?"; tail -15 "$OUT/gpu_kernel_tests.log"
+    timeout 240 $PY -m pytest tests/gpu/test_one_copy_gpu.py tests/gpu/test_plugin_gpu.py -m gpu -q -rs --timeout 230 \
+        > "$OUT/gpu_engine_tests.log" 2>&1; echo "engine tests rc=$?"; tail -15 "$OUT/gpu_engine_tests.log"
+    wait $diag; cat "$OUT/diagnose_stage.log"
+    tar czf "$OUT/checks.tgz" -C "$OUT" diagnose_qwen3_8b_shape r 2>/dev/null && rm -rf "$OUT/diagnose_qwen3_8b_shape" "$OUT/r"
+    ;;
+round_timing)
+    mkdir -p "$OUT/r"
+    PROFILE_VARIANTS=${PROFILE_VARIANTS:-"no_overlap:engine.parity_probe.overlap=false"} PROFILE_STEPS=${PROFILE_STEPS:-5} \
+        PROFILE_TIMEOUT=170 bash "$0" profile
+    timeout 120 $PY bench/dora.py --ranks ${DORA_RANKS:-64,384} --rounds 10 --out "$OUT/r/dora_h200.json" > "$OUT/dora.log" 2>&1
+    echo "dora rc=$?"; tail -25 "$OUT/dora.log"
+    timeout 90 $PY bench/lab/linear_profile.py --shape 8192x8192 --ranks 64,384 --out "$OUT/r/linear_profile_h200.json" \
+        > "$OUT/linear_profile.log" 2>&1; echo "linear_profile rc=$?"; tail -40 "$OUT/linear_profile.log"
+    ;;
 *)
-    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn|trace|diagnose|study|final_a|final_b|round_kernels|round_engine|placements_32b|placements_8b [--run NAME:overrides ...]"; exit 2 ;;
+    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn|trace|diagnose|study|final_a|final_b|round_kernels|round_engine|placements_32b|placements_8b|round_study|round_checks|round_timing [--run NAME:overrides ...]"; exit 2 ;;
 esac
