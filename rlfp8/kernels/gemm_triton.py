@@ -117,26 +117,16 @@ _rank_chunk = triton.constexpr_function(rank_chunk)
 
 
 @triton.jit
-def _lora_ranks(acc, h_tile, b_tile, b_mask, slot, stride_bs, row_sel, offs_r, r_ok, R, stride_hr, stride_br,
-                BLOCK_R: tl.constexpr, BR_CHUNK: tl.constexpr, LORA_PREC: tl.constexpr, LORA_DT: tl.constexpr):
-    """acc += B_slot[tile columns, :R] · h[:R, rows row_sel] for one slot (None: slot 0, the B tensor's first).
-    h_tile [BR_CHUNK, BM], b_tile [BN, BR_CHUNK], r_ok and b_mask (columns & r_ok) are rank chunk 0's. One chunk
-    (BLOCK_R <= 64): the unchunked epilogue's code, op for op; else the chunks in rank order, the same two 16-bit
-    MMAs each, without software pipelining (its staging buffers cost the registers the chunks save)."""
-    if BR_CHUNK == BLOCK_R:
-        hT = tl.load(h_tile, mask=row_sel[None, :] & r_ok[:, None], other=0.0)
-        if slot is not None:
-            b_tile = b_tile + slot.to(tl.int64) * stride_bs
-        bt = tl.load(b_tile, mask=b_mask, other=0.0)
+def _lora_rank_chunks(acc, h_tile, b_tile, b_mask, row_sel, offs_r, R, stride_hr, stride_br, BR_CHUNK: tl.constexpr,
+                      LORA_PREC: tl.constexpr, LORA_DT: tl.constexpr):
+    """acc += B_slot[tile columns, :R] · h[:R, rows row_sel] above rank 64: the rank chunks in rank order, the same
+    two 16-bit MMAs each. h_tile [BR_CHUNK, BM], b_tile [BN, BR_CHUNK] (the slot's) and b_mask (columns and
+    ranks < R) are chunk 0's. Not software-pipelined: its staging buffers cost the registers the chunks save."""
+    for r0 in tl.range(0, R, BR_CHUNK, num_stages=1):
+        ok = (r0 + offs_r) < R
+        hT = tl.load(h_tile + r0 * stride_hr, mask=row_sel[None, :] & ok[:, None], other=0.0)
+        bt = tl.load(b_tile + r0 * stride_br, mask=b_mask & ok[None, :], other=0.0)
         acc = _lora_mma(acc, bt, hT, LORA_PREC, LORA_DT)
-    else:
-        if slot is not None:
-            b_tile = b_tile + slot.to(tl.int64) * stride_bs
-        for r0 in tl.range(0, R, BR_CHUNK, num_stages=1):
-            ok = (r0 + offs_r) < R
-            hT = tl.load(h_tile + r0 * stride_hr, mask=row_sel[None, :] & ok[:, None], other=0.0)
-            bt = tl.load(b_tile + r0 * stride_br, mask=b_mask & ok[None, :], other=0.0)
-            acc = _lora_mma(acc, bt, hT, LORA_PREC, LORA_DT)
     return acc
 
 
@@ -437,10 +427,17 @@ def _lora_gemm_kernel(
                 b_tile = b_ptr + col[:, None] * stride_bn + offs_r[None, :] * stride_br          # [BN, BR_CHUNK]
                 b_mask = col_ok[:, None] & r_ok[None, :]
                 h_tile = h_ptr + i * stride_hl + rows64[None, :] * stride_hm + offs_r[:, None] * stride_hr
+                # (the one-chunk code stays written out here, not in a helper: an inlined call adds debug labels to
+                # the PTX that change ptxas's schedule, and rank <= 64 keeps its SASS)
                 if ALL_SLOT0:
                     # one slot for every row (the trainer): no loop
-                    acc = _lora_ranks(acc, h_tile, b_tile, b_mask, None, stride_bs, m_ok, offs_r, r_ok, R,
-                                      stride_hr, stride_br, BLOCK_R, BR_CHUNK, LORA_PREC, LORA_DT)
+                    if BR_CHUNK == BLOCK_R:
+                        hT = tl.load(h_tile, mask=m_ok[None, :] & r_ok[:, None], other=0.0)      # [BR, BM] fp32
+                        bt = tl.load(b_tile, mask=b_mask, other=0.0)
+                        acc = _lora_mma(acc, bt, hT, LORA_PREC, LORA_DT)
+                    else:
+                        acc = _lora_rank_chunks(acc, h_tile, b_tile, b_mask, m_ok, offs_r, R, stride_hr, stride_br,
+                                                BR_CHUNK, LORA_PREC, LORA_DT)
                     if HAS_G:
                         gv = tl.load(g_ptr + offs_n * stride_gn, mask=col_ok, other=1.0)
                         acc = tl.where(m_ok[None, :] & col_ok[:, None], acc * gv[:, None], acc)
@@ -450,10 +447,17 @@ def _lora_gemm_kernel(
                     cur = tl.min(tl.where(slots >= 0, slots, _BIG))
                     while cur < _BIG:
                         sel = slots == cur
-                        acc = _lora_ranks(acc, h_tile, b_tile, b_mask, cur, stride_bs, sel, offs_r, r_ok, R,
-                                          stride_hr, stride_br, BLOCK_R, BR_CHUNK, LORA_PREC, LORA_DT)
+                        if BR_CHUNK == BLOCK_R:
+                            hT = tl.load(h_tile, mask=sel[None, :] & r_ok[:, None], other=0.0)
+                            bt = tl.load(b_tile + cur.to(tl.int64) * stride_bs, mask=b_mask, other=0.0)
+                            acc = _lora_mma(acc, bt, hT, LORA_PREC, LORA_DT)
+                        else:
+                            acc = _lora_rank_chunks(acc, h_tile, b_tile + cur.to(tl.int64) * stride_bs, b_mask, sel,
+                                                    offs_r, R, stride_hr, stride_br, BR_CHUNK, LORA_PREC, LORA_DT)
                         if HAS_G:
-                            acc = _slot_g(acc, g_ptr, cur, stride_gs, offs_n, stride_gn, col_ok, sel)
+                            gv = tl.load(g_ptr + cur.to(tl.int64) * stride_gs + offs_n * stride_gn, mask=col_ok,
+                                         other=1.0)
+                            acc = tl.where(sel[None, :] & col_ok[:, None], acc * gv[:, None], acc)
                         cur = tl.min(tl.where(slots > cur, slots, _BIG))
                 elif BR_CHUNK == BLOCK_R:
                     # many adapters: a tile meets up to BLOCK_M slots. h is loaded once per slice (every row
@@ -471,7 +475,9 @@ def _lora_gemm_kernel(
                         sel = slots == cur
                         acc = _lora_mma(acc, bt, tl.where(sel[None, :], hT, 0.0), LORA_PREC, LORA_DT)
                         if HAS_G:
-                            acc = _slot_g(acc, g_ptr, cur, stride_gs, offs_n, stride_gn, col_ok, sel)
+                            gv = tl.load(g_ptr + cur.to(tl.int64) * stride_gs + offs_n * stride_gn, mask=col_ok,
+                                         other=1.0)
+                            acc = tl.where(sel[None, :] & col_ok[:, None], acc * gv[:, None], acc)
                         bt = bt_next
                         cur = nxt
                 else:

@@ -3,24 +3,20 @@
 the interpreter at ranks 16 (one chunk), 96 (three chunks, the last partly masked) and 384 (twelve chunks, K1 three
 rank blocks) against fp64 math and
 the references, for every slot path (no metadata, the per-slot loop, PIPE_SLOTS) with and without DoRA's g; the
-same bits for every slot path and for an engine slot padded to a larger rank; the training linear and DoRA's fwd+bwd
-at rank 384; the dispatch record of the chunk."""
+same bits for every slot path and for an engine slot padded to a larger rank; the dispatch record of the chunk.
+The training linear's and DoRA's fwd+bwd at rank 384: test_linear_triton.py, test_dora_triton.py."""
 import pytest
 import torch
 
 from rlfp8.kernels import dispatch, fp8, gemm_triton
-from rlfp8.kernels import dora as kdora
-from rlfp8.kernels.dora_triton import DoRALinearTriton
 from rlfp8.kernels.gemm_configs import GemmConfig, rank_chunk, block_r
 from rlfp8.kernels.gemm_ref import lora_gemm_ref
 from rlfp8.kernels.gemm_triton import lora_gemm_triton
-from rlfp8.kernels.linear_ref import LoRALinearRef
-from rlfp8.kernels.linear_triton import lora_linear_triton
 from rlfp8.kernels.metadata import build_lora_meta
 from rlfp8.kernels.shrink_ref import lora_shrink_ref
 from rlfp8.kernels.shrink_triton import lora_shrink_triton
 from tests.conftest import rel_err
-from tests.oracles import gemm_fp64, lora_linear_fp64, shrink_fp64
+from tests.oracles import gemm_fp64, shrink_fp64
 
 CFG = GemmConfig(64, 16, 32, 1, 2, 4, 2)
 RANKS = (16, 96, 384)
@@ -111,41 +107,3 @@ def test_k1_rank_blocks_vs_fp64(r, device):
     assert rel_err(h, shrink_fp64(x, A, slots)) < 1e-5
     h0 = lora_shrink_triton(x, A[0][:1], None).h
     assert torch.equal(h0, lora_shrink_ref(x, A[0][:1], None).h) or rel_err(h0, shrink_fp64(x, A[:1], None)) < 1e-5
-
-
-def test_training_linear_fwd_bwd_rank_384(device):
-    M, K, N, r, s = 24, 64, 80, 384, 0.5
-    x = torch.randn(M, K, dtype=torch.bfloat16, device=device, requires_grad=True)
-    q, sw = fp8.quantize_weight_ref(torch.randn(N, K, device=device) * 0.05)
-    A = (torch.randn(r, K, device=device) * 0.05).requires_grad_()
-    B = (torch.randn(N, r, device=device) * 0.05).requires_grad_()
-    dy = torch.randn(M, N, dtype=torch.bfloat16, device=device)
-    got = []
-    for fn in (lora_linear_triton, LoRALinearRef.apply):
-        y = fn(x, q, sw, A, B, s, None)
-        y.backward(dy)
-        got.append([y.detach(), x.grad, A.grad, B.grad])
-        x.grad = A.grad = B.grad = None
-    ref64 = lora_linear_fp64(x, q, sw, A, B, s, None, dy)
-    for name, a, b, c in zip(("y", "dx", "dA", "dB"), *got, ref64):
-        assert rel_err(a, c) < 1e-2 and rel_err(a, b) < 1e-2, name          # bf16 operands
-
-
-def test_dora_linear_fwd_bwd_rank_384(device):
-    M, K, N, r, s = 24, 64, 80, 384, 0.5
-    x = torch.randn(M, K, dtype=torch.bfloat16, device=device, requires_grad=True)
-    q, sw = fp8.quantize_weight_ref(torch.randn(N, K, device=device) * 0.05)
-    A = (torch.randn(r, K, device=device) * 0.05).requires_grad_()
-    B = (torch.randn(N, r, device=device) * 0.05).requires_grad_()
-    norm = kdora.dora_row_norm(q, sw, A, B, s)
-    m = (norm * (torch.rand(N, device=device) + 0.5)).requires_grad_()
-    dy = torch.randn(M, N, dtype=torch.bfloat16, device=device)
-    outs = []
-    for fn in (DoRALinearTriton, kdora.DoRALinearRef):
-        with dispatch.use_backend("triton" if fn is DoRALinearTriton else "torch"):
-            y = fn.apply(x, q, sw, A, B, m, norm, s, None)
-            y.backward(dy)
-        outs.append([y.detach(), x.grad, A.grad, B.grad, m.grad])
-        x.grad = A.grad = B.grad = m.grad = None
-    for name, a, b in zip(("y", "dx", "dA", "dB", "dm"), *outs):
-        assert rel_err(a, b) <= 1e-2, name
