@@ -16,7 +16,7 @@ T. `invariant_gemm_config` keeps one ReductionSchedule per (mode, K, N class) at
     tokens the other orientation runs on mma.sync: another instruction, not provably the same sums);
   * free with T: BLOCK_M / BLOCK_N / GROUP_M (which tile a row lands in, not how its sum is formed),
     warps, stages, TMA and the widening variant (exact conversions).
-The epilogue's h·Bᵀ sums over the rank in BLOCK_R = next_pow2(r) with two fixed 16-bit MMAs, and the
+The epilogue's h·Bᵀ sums over the rank in chunks (rank_chunk) with two fixed 16-bit MMAs each, and the
 shrink (K1) pins its own schedule (shrink_triton.invariant_shrink_config). Costs: bench/lab/invariant_configs.py.
 """
 from __future__ import annotations
@@ -32,8 +32,9 @@ import torch
 from ._triton_utils import cdiv, next_pow2
 from .knobs import knobs
 
-__all__ = ["GLUON_SCHEDULE", "GemmConfig", "INVARIANT_SCHEDULES", "M_BUCKETS", "NUM_SMS_HINT", "WIDENINGS",
-           "ReductionSchedule", "SM90_MAX_SMEM", "batch_invariant", "cached_launch_config", "config_key", "fit_smem",
+__all__ = ["GLUON_SCHEDULE", "GemmConfig", "INVARIANT_SCHEDULES", "M_BUCKETS", "NUM_SMS_HINT", "RANK_CHUNK",
+           "WIDENINGS", "ReductionSchedule", "SM90_MAX_SMEM", "batch_invariant", "block_r", "cached_launch_config",
+           "config_key", "fit_smem", "rank_chunk",
            "gemm_config", "invariant_gemm_config", "m_bucket", "n_class", "reduction_schedule", "reload_tuned_table",
            "schedule_of", "smem_bytes", "tuned_table_path"]
 
@@ -247,11 +248,33 @@ def _main_loop_smem(cfg: GemmConfig, mode: str) -> int:
     return main
 
 
+# K2's epilogue multiplies h·Bᵀ in rank chunks (gemm_triton._lora_ranks): at rank 384 the whole rank (BLOCK_R 512)
+# made fit_smem cut the 4096-token tile from 256 to 64 tokens and the dx GEMM spill (bench/lab/rank_spills.py).
+# Up to BLOCK_R 64 the chunk is the whole rank (the unchunked code, the same SASS); above it RANK_CHUNK (32: at
+# 64 the dx GEMM's 128x256 tile still spilled ~100 bytes). The chunk depends on BLOCK_R alone and its boundaries
+# are multiples of RANK_CHUNK, so two ranks above 64 group their sums alike, and an engine slot padded to a larger
+# rank (compat.slot_rank: never from <= 64 to > 64) adds exact zeros: the matched property and the
+# batch-invariant schedule hold.
+RANK_CHUNK = 32
+RANK_CHUNK_FROM = 64            # BLOCK_R up to this: one chunk
+
+
+def block_r(rank: int) -> int:
+    """BLOCK_R of K1/K2 for a LoRA rank: next_pow2(rank), at least 16 (tl.dot)."""
+    return max(16, next_pow2(rank))
+
+
+def rank_chunk(block_r: int) -> int:
+    """The rank chunk of K2's epilogue for this BLOCK_R (a constexpr function in the kernel: gemm_triton)."""
+    return block_r if block_r <= RANK_CHUNK_FROM else RANK_CHUNK
+
+
 def _epilogue_smem(cfg: GemmConfig, rank: int) -> int:
     if not rank:
         return 0
-    h_tile = max(16, next_pow2(rank)) * cfg.block_m * 2          # [BLOCK_R, BLOCK_M] 16-bit
-    b_tile = cfg.block_n * max(16, next_pow2(rank)) * 2          # [BLOCK_N, BLOCK_R] 16-bit
+    chunk = rank_chunk(block_r(rank))
+    h_tile = chunk * cfg.block_m * 2                             # [BR_CHUNK, BLOCK_M] 16-bit
+    b_tile = cfg.block_n * chunk * 2                             # [BLOCK_N, BR_CHUNK] 16-bit
     return max(2 * h_tile, b_tile + h_tile)
 
 
@@ -259,9 +282,9 @@ def smem_bytes(cfg: GemmConfig, mode: str, rank: int) -> int:
     """Upper bound on K2's shared memory with this config and LoRA rank (0 = no adapter): the largest of
       main loop  num_stages · (BLOCK_N·BLOCK_K fp8 weight tile + BLOCK_M·BLOCK_K x tile (2 bytes W8A16, 1 W8A8)),
                  plus the widened weight tile BLOCK_N·BLOCK_K·2 in W8A16 with tokens on M (swap_ab False);
-      epilogue   the h tile [BLOCK_R, BLOCK_M] as the 16-bit MMA operand twice (bf16x2's hi and lo), or once
-                 beside the B tile [BLOCK_N, BLOCK_R] (staged through shared memory when registers run out,
-                 as at BLOCK_R = 512): max(2·h, B + h), 2 bytes per element, BLOCK_R = next_pow2(rank) >= 16;
+      epilogue   one rank chunk's h tile [BR_CHUNK, BLOCK_M] as the 16-bit MMA operand twice (bf16x2's hi and
+                 lo), or once beside its B tile [BLOCK_N, BR_CHUNK] (staged through shared memory when registers
+                 run out): max(2·h, B + h), 2 bytes per element, BR_CHUNK = rank_chunk(block_r(rank));
       transpose  tokens on M: the accumulator's transpose BLOCK_N·BLOCK_M·4;
     which the compiler does not keep live together (it reuses the main loop's buffers after the loop), plus
     SMEM_SLACK. Checked against the sm_90a compiler's own numbers (tests/kernel/test_gemm_smem_fit.py: a

@@ -44,6 +44,8 @@ Kernel strategy (Hopper):
     a tile touches few adapters; the epilogue loops over the distinct slots of its rows (ascending), each
     iteration one small dot B_slot_tile [BLOCK_N, r] · h_rowsᵀ [r, BLOCK_M] into the fp32 accumulator
     (by default two 16-bit MMAs on h = hi + lo, see LORA_PRECISIONS), reading only the tile's columns of B.
+    Above rank 64 each slot's dot runs over rank chunks of 32 in rank order (gemm_configs.rank_chunk), so h and B
+    never sit in registers / shared memory whole (at rank 384 they did: smaller tiles, spills).
     Three variants with the same arithmetic: no metadata (the trainer: one slot, no loop); one adapter
     (per-slot masked loads, fewest registers); more than one adapter (PIPE_SLOTS: h loaded once per slice,
     the next slot's B tile prefetched, so a tile with 16-32 slots waits for one memory round trip instead of
@@ -71,10 +73,11 @@ import triton
 import triton.language as tl
 
 from . import dispatch
-from ._triton_utils import (cdiv, check_pdl, check_tensor, launch, max_shared_mem, next_pow2,
+from ._triton_utils import (cdiv, check_pdl, check_tensor, launch, max_shared_mem,
                             require_triton_device, split_counters)
 from .gemm_configs import (GLUON_SCHEDULE, M_BUCKETS, SM90_MAX_SMEM, WIDENINGS, GemmConfig, batch_invariant,
-                           cached_launch_config, fit_smem, gemm_config, invariant_gemm_config, m_bucket, schedule_of)
+                           block_r, cached_launch_config, fit_smem, gemm_config, invariant_gemm_config, m_bucket,
+                           rank_chunk, schedule_of)
 from .knobs import knobs
 from .gemm_ref import check_lora_gemm_args
 from .metadata import LoRAMeta
@@ -106,6 +109,63 @@ def _lora_mma(acc, bt, hT, LORA_PREC: tl.constexpr, LORA_DT: tl.constexpr):
             acc = tl.dot(b16, (hT - hi32).to(LORA_DT), acc)
     else:
         acc = tl.dot(bt.to(tl.float32), hT, acc, input_precision=LORA_PREC)
+    return acc
+
+
+# The epilogue's rank chunk, a function of BLOCK_R (so of the rank) alone: gemm_configs.rank_chunk
+_rank_chunk = triton.constexpr_function(rank_chunk)
+
+
+@triton.jit
+def _lora_rank_chunks(acc, h_tile, b_tile, b_mask, row_sel, offs_r, R, stride_hr, stride_br, BR_CHUNK: tl.constexpr,
+                      LORA_PREC: tl.constexpr, LORA_DT: tl.constexpr):
+    """acc += B_slot[tile columns, :R] · h[:R, rows row_sel] above rank 64: the rank chunks in rank order, the same
+    two 16-bit MMAs each. h_tile [BR_CHUNK, BM], b_tile [BN, BR_CHUNK] (the slot's) and b_mask (columns and
+    ranks < R) are chunk 0's. Not software-pipelined: its staging buffers cost the registers the chunks save."""
+    for r0 in tl.range(0, R, BR_CHUNK, num_stages=1):
+        ok = (r0 + offs_r) < R
+        hT = tl.load(h_tile + r0 * stride_hr, mask=row_sel[None, :] & ok[:, None], other=0.0)
+        bt = tl.load(b_tile + r0 * stride_br, mask=b_mask & ok[None, :], other=0.0)
+        acc = _lora_mma(acc, bt, hT, LORA_PREC, LORA_DT)
+    return acc
+
+
+@triton.jit
+def _slot_g(acc, g_ptr, slot, stride_gs, offs_n, stride_gn, col_ok, sel):
+    """DoRA: the columns of this slot's rows (sel) times g[slot] (after the slot's whole h·Bᵀ)."""
+    gv = tl.load(g_ptr + slot.to(tl.int64) * stride_gs + offs_n * stride_gn, mask=col_ok, other=1.0)
+    return tl.where(sel[None, :] & col_ok[:, None], acc * gv[:, None], acc)
+
+
+@triton.jit
+def _lora_slot_chunks_pipelined(acc, slots, h_tile, b_tile, stride_bs, offs_r, col_ok, R, stride_hr, stride_br,
+                                g_ptr, stride_gs, offs_n, stride_gn, HAS_G: tl.constexpr, BR_CHUNK: tl.constexpr,
+                                LORA_PREC: tl.constexpr, LORA_DT: tl.constexpr):
+    """PIPE_SLOTS above rank 64: the (slot, rank chunk) pairs in the per-slot loop's order (slots ascending, the
+    chunks of each in rank order, g after a slot's last chunk: the same MMAs, the same bits), each pair's h and
+    B chunks loaded before the previous pair's MMAs, so a tile with many slots waits for one memory round trip
+    per pair at most, not two. h_tile / b_tile: rank chunk 0's pointers (slot 0's B)."""
+    cur = tl.min(tl.where(slots >= 0, slots, _BIG))
+    r0 = cur * 0
+    hT = tl.load(h_tile, mask=(slots == cur)[None, :] & (offs_r < R)[:, None], other=0.0)
+    bt = tl.load(b_tile + tl.where(cur < _BIG, cur, 0).to(tl.int64) * stride_bs,
+                 mask=col_ok[:, None] & (offs_r < R)[None, :] & (cur < _BIG), other=0.0)
+    while cur < _BIG:
+        last = r0 + BR_CHUNK >= R                       # this pair is the slot's last chunk
+        nxt = tl.where(last, tl.min(tl.where(slots > cur, slots, _BIG)), cur)
+        r_nxt = tl.where(last, 0, r0 + BR_CHUNK)
+        r_ok = (r_nxt + offs_r) < R
+        hT_next = tl.load(h_tile + r_nxt * stride_hr, mask=(slots == nxt)[None, :] & r_ok[:, None], other=0.0)
+        bt_next = tl.load(b_tile + (r_nxt * stride_br + tl.where(nxt < _BIG, nxt, 0).to(tl.int64) * stride_bs),
+                          mask=col_ok[:, None] & r_ok[None, :] & (nxt < _BIG), other=0.0)
+        acc = _lora_mma(acc, bt, hT, LORA_PREC, LORA_DT)
+        if HAS_G:
+            if last:
+                acc = _slot_g(acc, g_ptr, cur, stride_gs, offs_n, stride_gn, col_ok, slots == cur)
+        hT = hT_next
+        bt = bt_next
+        cur = nxt
+        r0 = r_nxt
     return acc
 
 
@@ -152,7 +212,7 @@ def _lora_gemm_kernel(
     WIDEN_ASM: tl.constexpr,    # ... 1: _e4m3_to_bf16, 2: the PRMT widening (x4 / x2 by SWAP_AB; bf16 x, GPU code), 0: .to()
     SCALE_W: tl.constexpr,      # 0 none (the backward dx GEMM: the scale is in its x), 1 per output column
     HAS_XS: tl.constexpr,       # per-token activation scale (W8A8)
-    HAS_LORA: tl.constexpr, N_SLICES: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_LORA: tl.constexpr, N_SLICES: tl.constexpr, BLOCK_R: tl.constexpr,   # next_pow2(rank) >= 16
     ALL_SLOT0: tl.constexpr,    # no metadata: every row uses slot 0 (trainer)
     GATHER: tl.constexpr,       # tile rows through the adapter-sorted permutation
     HAS_G: tl.constexpr, HAS_BIAS: tl.constexpr, LORA_PREC: tl.constexpr, LORA_DT: tl.constexpr,
@@ -339,7 +399,10 @@ def _lora_gemm_kernel(
             slots = tl.where(m_ok, 0, -1)
         else:
             slots = tl.load(slot_ptr + rows64, mask=m_ok, other=-1)          # [BM] slot per row
-        offs_r = tl.arange(0, BLOCK_R)
+        # the rank in chunks of _rank_chunk(BLOCK_R) (one chunk up to rank 64): h and B are loaded and multiplied
+        # chunk by chunk, so registers and shared memory hold [BR_CHUNK, BM] + [BN, BR_CHUNK], not the whole rank
+        BR_CHUNK: tl.constexpr = _rank_chunk(BLOCK_R)
+        offs_r = tl.arange(0, BR_CHUNK)
         r_ok = offs_r < R
         tile_lo = pid_n * BLOCK_N
         for i in tl.static_range(N_SLICES):
@@ -361,14 +424,20 @@ def _lora_gemm_kernel(
             if (tile_lo < hi) & (tile_lo + BLOCK_N > lo):
                 col_ok = (offs_n >= lo) & (offs_n < hi)
                 col = tl.where(col_ok, offs_n - lo, 0).to(tl.int64)
-                b_tile = b_ptr + col[:, None] * stride_bn + offs_r[None, :] * stride_br          # [BN, BR]
+                b_tile = b_ptr + col[:, None] * stride_bn + offs_r[None, :] * stride_br          # [BN, BR_CHUNK]
                 b_mask = col_ok[:, None] & r_ok[None, :]
                 h_tile = h_ptr + i * stride_hl + rows64[None, :] * stride_hm + offs_r[:, None] * stride_hr
+                # (the one-chunk code stays written out here, not in a helper: an inlined call adds debug labels to
+                # the PTX that change ptxas's schedule, and rank <= 64 keeps its SASS)
                 if ALL_SLOT0:
                     # one slot for every row (the trainer): no loop
-                    hT = tl.load(h_tile, mask=m_ok[None, :] & r_ok[:, None], other=0.0)          # [BR, BM] fp32
-                    bt = tl.load(b_tile, mask=b_mask, other=0.0)
-                    acc = _lora_mma(acc, bt, hT, LORA_PREC, LORA_DT)
+                    if BR_CHUNK == BLOCK_R:
+                        hT = tl.load(h_tile, mask=m_ok[None, :] & r_ok[:, None], other=0.0)      # [BR, BM] fp32
+                        bt = tl.load(b_tile, mask=b_mask, other=0.0)
+                        acc = _lora_mma(acc, bt, hT, LORA_PREC, LORA_DT)
+                    else:
+                        acc = _lora_rank_chunks(acc, h_tile, b_tile, b_mask, m_ok, offs_r, R, stride_hr, stride_br,
+                                                BR_CHUNK, LORA_PREC, LORA_DT)
                     if HAS_G:
                         gv = tl.load(g_ptr + offs_n * stride_gn, mask=col_ok, other=1.0)
                         acc = tl.where(m_ok[None, :] & col_ok[:, None], acc * gv[:, None], acc)
@@ -378,15 +447,19 @@ def _lora_gemm_kernel(
                     cur = tl.min(tl.where(slots >= 0, slots, _BIG))
                     while cur < _BIG:
                         sel = slots == cur
-                        hT = tl.load(h_tile, mask=sel[None, :] & r_ok[:, None], other=0.0)
-                        bt = tl.load(b_tile + cur.to(tl.int64) * stride_bs, mask=b_mask, other=0.0)
-                        acc = _lora_mma(acc, bt, hT, LORA_PREC, LORA_DT)
+                        if BR_CHUNK == BLOCK_R:
+                            hT = tl.load(h_tile, mask=sel[None, :] & r_ok[:, None], other=0.0)
+                            bt = tl.load(b_tile + cur.to(tl.int64) * stride_bs, mask=b_mask, other=0.0)
+                            acc = _lora_mma(acc, bt, hT, LORA_PREC, LORA_DT)
+                        else:
+                            acc = _lora_rank_chunks(acc, h_tile, b_tile + cur.to(tl.int64) * stride_bs, b_mask, sel,
+                                                    offs_r, R, stride_hr, stride_br, BR_CHUNK, LORA_PREC, LORA_DT)
                         if HAS_G:
                             gv = tl.load(g_ptr + cur.to(tl.int64) * stride_gs + offs_n * stride_gn, mask=col_ok,
                                          other=1.0)
                             acc = tl.where(sel[None, :] & col_ok[:, None], acc * gv[:, None], acc)
                         cur = tl.min(tl.where(slots > cur, slots, _BIG))
-                else:
+                elif BR_CHUNK == BLOCK_R:
                     # many adapters: a tile meets up to BLOCK_M slots. h is loaded once per slice (every row
                     # with an adapter) and each slot selects its rows in registers (the other rows are 0,
                     # exactly as with a masked load); the next slot's B tile is loaded before this slot's
@@ -407,6 +480,10 @@ def _lora_gemm_kernel(
                             acc = tl.where(sel[None, :] & col_ok[:, None], acc * gv[:, None], acc)
                         bt = bt_next
                         cur = nxt
+                else:
+                    acc = _lora_slot_chunks_pipelined(acc, slots, h_tile, b_tile, stride_bs, offs_r, col_ok, R,
+                                                      stride_hr, stride_br, g_ptr, stride_gs, offs_n, stride_gn,
+                                                      HAS_G, BR_CHUNK, LORA_PREC, LORA_DT)
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n_ld).to(tl.float32)[:, None]
@@ -620,6 +697,8 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     part, cnt = _split_k_buffers(cfg, m_tiles, n_tiles, dist_red, out)
     dummy = out
     L, ends, b_ptrs, r, bst, hst = _lora_args(slices, has_lora, h, N, dummy)
+    if has_lora:
+        dispatch.record(f"{OP}.rank_chunk", str(rank_chunk(block_r(r))))
     slot_t = meta.token_lora_mapping if (has_lora and meta is not None) else dummy
     perm_t = meta.token_indices_sorted_by_lora_ids if gather else dummy
     w_arg, w_tma = _w_operand(q, cfg)
@@ -635,7 +714,7 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
            BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
            GROUP_M=cfg.group_m, DIST_RED=dist_red, WIDEN_W=mode == "w8a16",
            SCALE_W=int(w_scale is not None), HAS_XS=mode == "w8a8", HAS_LORA=has_lora, N_SLICES=L,
-           BLOCK_R=max(16, next_pow2(r)), ALL_SLOT0=meta is None,
+           BLOCK_R=block_r(r), ALL_SLOT0=meta is None,
            GATHER=bool(gather), HAS_G=g is not None and has_lora, HAS_BIAS=bias is not None,
            LORA_PREC=lora_precision, LORA_DT=_lora_dt(slices[0].dtype if has_lora else None),
            EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,

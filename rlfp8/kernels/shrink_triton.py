@@ -34,9 +34,9 @@ import triton
 import triton.language as tl
 
 from . import dispatch
-from ._triton_utils import cdiv, check_pdl, launch, next_pow2, require_triton_device, split_counters
+from ._triton_utils import cdiv, check_pdl, launch, require_triton_device, split_counters
 from .fp8_ref import FP8_DTYPE
-from .gemm_configs import batch_invariant
+from .gemm_configs import batch_invariant, block_r
 from .knobs import knobs
 from .fp8_triton import ROUNDING_CODE, _quant_config, _quant_rows_tile, quantize_rows_triton
 from .shrink_ref import ShrinkOut, a_slices, check_lora_shrink_args
@@ -65,7 +65,7 @@ def shrink_config(M: int, K: int, r: int) -> ShrinkConfig:
     every dot issues in k order.
     num_stages never exceeds the iterations of one split (2 iterations need 2 buffers, not 3), which keeps
     shared memory at <= ~100 KiB so that two programs fit on an SM."""
-    br = max(16, next_pow2(r))
+    br = block_r(r)
     bm = 16 if M <= 16 else 32 if M <= 256 else 64
     if M <= 16:
         bk = 256 if br <= 64 else 128
@@ -77,7 +77,7 @@ def shrink_config(M: int, K: int, r: int) -> ShrinkConfig:
     split = max(1, min(K // 512, cdiv(128, m_tiles), 8))
     iters = cdiv(cdiv(K, bk), split)
     stages = max(1, min(3, iters))
-    while stages > 1 and stages * (bm + br) * bk * 2 > 100 * 1024:
+    while stages > 1 and stages * (bm + shrink_rank_block(br)) * bk * 2 > 100 * 1024:
         stages -= 1
     return ShrinkConfig(bm, bk, split, num_warps=4, num_stages=stages)
 
@@ -100,6 +100,18 @@ def _pick_shrink_config(config, M: int, K: int, r: int, quant) -> ShrinkConfig:
     if config is not None:
         return config
     return invariant_shrink_config(K, r) if invariant else shrink_config(M, K, r)
+
+
+# Ranks per program (a function of BLOCK_R alone): above it a tile's ranks go to several programs (the kernel).
+# At rank 384 the whole rank in one program spilled ~14 KB per thread (bench/lab/rank_spills.py).
+SHRINK_RANK_BLOCK = 128
+
+
+def shrink_rank_block(block_r: int) -> int:
+    return min(block_r, SHRINK_RANK_BLOCK)
+
+
+_shrink_rank_block = triton.constexpr_function(shrink_rank_block)
 
 
 @triton.jit
@@ -133,10 +145,16 @@ def _lora_shrink_kernel(
                              stride_qk, stride_xs, QBLOCK_M, QBLOCK_K, QUANT)
     is_shrink = pid >= n_quant
     p = tl.maximum(pid - n_quant, 0)          # quantization programs decode as shrink program 0, then skip it
+    # above rank 128 a tile's ranks are cut into blocks of BR_BLOCK, one program each (next to each other, so
+    # they read the same x rows from L2): the [BLOCK_M, BLOCK_R] accumulator and the A tile of one program stay
+    # small. Each h element's sum over K is the same whatever the block (its own column of the MMA).
+    BR_BLOCK: tl.constexpr = _shrink_rank_block(BLOCK_R)
+    RANK_BLOCKS: tl.constexpr = BLOCK_R // BR_BLOCK
     pid_sk = p % SPLIT_K
-    pid_m = (p // SPLIT_K) % m_tiles
-    slice_id = (p // (SPLIT_K * m_tiles)) % N_SLICES
-    seg = p // (SPLIT_K * m_tiles * N_SLICES)
+    pid_rb = (p // SPLIT_K) % RANK_BLOCKS
+    pid_m = (p // (SPLIT_K * RANK_BLOCKS)) % m_tiles
+    slice_id = (p // (SPLIT_K * RANK_BLOCKS * m_tiles)) % N_SLICES
+    seg = p // (SPLIT_K * RANK_BLOCKS * m_tiles * N_SLICES)
     offs_m = tl.arange(0, BLOCK_M)
     m0 = pid_m * BLOCK_M
     if ALL_SLOT0:
@@ -150,7 +168,10 @@ def _lora_shrink_kernel(
         seg_start = tl.load(start_ptr + seg)
         row_ok = m0 + offs_m < n_seg
         rows = tl.load(sorted_ptr + seg_start + m0 + offs_m, mask=row_ok, other=0)   # token ids [BM]
-    if is_shrink & (m0 < n_seg) & (lora_id >= 0):
+    live = is_shrink & (m0 < n_seg) & (lora_id >= 0)
+    if RANK_BLOCKS > 1:
+        live = live & (pid_rb * BR_BLOCK < R)          # blocks past the rank (BLOCK_R is a power of 2): nothing
+    if live:
         a_ptr = a0_ptr
         if N_SLICES > 1:
             if slice_id == 1:
@@ -162,14 +183,14 @@ def _lora_shrink_kernel(
         k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
         k_lo = tl.multiple_of(pid_sk * k_per, BLOCK_K)
         k_hi = tl.minimum(K, k_lo + k_per)
-        offs_r = tl.arange(0, BLOCK_R)
+        offs_r = pid_rb * BR_BLOCK + tl.arange(0, BR_BLOCK)
         offs_k = tl.arange(0, BLOCK_K)
         r_ok = offs_r < R
         rows64 = rows.to(tl.int64)
         x_ptrs = x_ptr + rows64[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk     # [BM, BK]
         a_ptrs = (a_ptr + lora_id.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar
                   + (k_lo + offs_k)[None, :] * stride_ak)                                      # [BR, BK]
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BR_BLOCK), dtype=tl.float32)
         for k in range(k_lo, k_hi, BLOCK_K):
             if EVEN_K:
                 xt = tl.load(x_ptrs)
@@ -191,7 +212,7 @@ def _lora_shrink_kernel(
             part_stride = N_SLICES * M * BLOCK_R
             tl.store(ws_row + pid_sk * part_stride, acc, mask=row_ok[:, None])
             tl.debug_barrier()
-            tile_id = (seg * N_SLICES + slice_id) * m_tiles + pid_m
+            tile_id = ((seg * N_SLICES + slice_id) * RANK_BLOCKS + pid_rb) * m_tiles + pid_m
             done = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
             if done == SPLIT_K - 1:
                 # Last program of this tile: sum the partials in split order (deterministic). Unrolled when
@@ -252,11 +273,12 @@ def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: 
             xs = s[:, None]
         return ShrinkOut(h, xq, xs)
     cfg = _pick_shrink_config(config, M, K, r, quant)
-    br = max(16, next_pow2(r))
+    br = block_r(r)
     m_tiles = cdiv(M, cfg.block_m)
     n_seg = 1 if meta is None else max(meta.num_active, 1)
     ws = torch.empty((cfg.split_k, L, M, br), dtype=torch.float32, device=dev) if cfg.split_k > 1 else h
-    cnt = split_counters(OP, n_seg * L * m_tiles, dev) if cfg.split_k > 1 else h
+    rank_blocks = br // shrink_rank_block(br)
+    cnt = split_counters(OP, n_seg * L * rank_blocks * m_tiles, dev) if cfg.split_k > 1 else h
     if meta is None:
         md = (h, h, h, h)                     # unused (ALL_SLOT0)
     else:
@@ -268,10 +290,11 @@ def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: 
         n_quant = cdiv(M, qbm)
     else:
         qbm, qbk, n_quant = 1, 16, 0
-    # unroll the split-K reduction while the partials (BLOCK_M x BLOCK_R fp32 per split) stay within ~128
+    # unroll the split-K reduction while the partials (BLOCK_M x BR_BLOCK fp32 per split) stay within ~128
     # registers per thread
-    red_unroll = cfg.block_m * br * (cfg.split_k - 1) <= 128 * 32 * cfg.num_warps
-    grid = (n_quant + cfg.split_k * m_tiles * L * n_seg,)
+    red_unroll = cfg.block_m * shrink_rank_block(br) * (cfg.split_k - 1) <= 128 * 32 * cfg.num_warps
+    dispatch.record(f"{OP}.rank_blocks", str(rank_blocks))
+    grid = (n_quant + cfg.split_k * rank_blocks * m_tiles * L * n_seg,)
     launch(_lora_shrink_kernel, grid,
            x, *a_ptrs, h, xq if quant else h, xs if quant else h, ws, cnt, *md,
            M, K, r, m_tiles, n_quant,

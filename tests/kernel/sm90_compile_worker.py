@@ -54,6 +54,7 @@ def collect() -> list:
         _rank_and_pdl_launches()
         _tuned_table_launches()
         _invariant_launches()
+        _large_rank_launches()
     rec.extend(_gluon_launches())
     return _distinct(rec)
 
@@ -193,6 +194,57 @@ def _invariant_launches(S: int = 4, r: int = 64) -> None:
         if sched != GLUON_SCHEDULE:
             lora_gemm_triton(_e(8192, K), q, sw, h=torch.empty(1, 8192, r), B=_e(1, N, r),
                              config=invariant_gemm_config("w8a16", 8192, N, K, "cuda"))
+
+
+LARGE_RANK_ROLES = ("fwd", "fwd_g", "dgrad", "shrink", "dy_prep", "eng1", "engN")
+H200 = torch.device("cuda")          # only names the device whose configs to pick; nothing runs on it
+
+
+def h200_w8a16_config(M: int, N: int, K: int, rank: int, transposed: bool = False):
+    """(config, path): the W8A16 config lora_gemm_triton picks on an H200 (tuned table through the knob tuned_gpu,
+    the batch-invariant schedule), fitted to its shared memory at this rank, and the main loop the dispatch would
+    run there (gluon_rs where gemm_rs can take the call; it is not compiled from here)."""
+    from rlfp8.kernels import gemm_triton
+    from rlfp8.kernels.gemm_configs import SM90_MAX_SMEM, fit_smem, schedule_of
+    from rlfp8.kernels.gemm_rs import MAX_RANK
+    q = _e(K, N, dtype=FP8).t() if transposed else _e(N, K, dtype=FP8)
+    cfg, invariant = gemm_triton._pick_config(None, "w8a16", M, N, K, q, H200)
+    gluon = M > 512 and rank <= MAX_RANK and (not invariant or schedule_of(cfg) == GLUON_SCHEDULE)
+    return fit_smem(cfg, "w8a16", rank, SM90_MAX_SMEM), "gluon_rs" if gluon else "triton"
+
+
+def large_rank_launch(role: str, N: int, K: int, r: int, M: int = 4096) -> str:
+    """One launch of the training linear at (N out, K in), rank r, M tokens, with the H200's configs (issue 16):
+    fwd / fwd_g (K2 forward, DoRA's g), dgrad (K2 on qᵀ, A_cᵀ as the epilogue's B), shrink (K1), dy_prep, and the
+    engine's K2 with metadata at 256 tokens, one adapter (eng1: per-slot loop) or four (engN: PIPE_SLOTS).
+    Returns the main loop an H200 would run for K2 (gluon_rs or triton)."""
+    q, sw = _e(N, K, dtype=FP8), torch.empty(N)
+    if role in ("fwd", "fwd_g"):
+        cfg, path = h200_w8a16_config(M, N, K, r)
+        lora_gemm_triton(_e(M, K), q, sw, h=torch.empty(1, M, r), B=_e(1, N, r),
+                         g=torch.empty(1, N) if role == "fwd_g" else None, config=cfg)
+        return "triton" if role == "fwd_g" else path
+    if role == "dgrad":                  # the GEMM runs over N: x = gy [M, N], weight qᵀ [K, N]
+        cfg, path = h200_w8a16_config(M, K, N, r, transposed=True)
+        lora_gemm_triton(_e(M, N), q.t(), None, h=torch.empty(1, M, r), B=_e(r, K).t()[None], config=cfg)
+        return path
+    if role == "shrink":
+        lora_shrink_triton(_e(M, K), _e(1, r, K), None)
+    elif role == "dy_prep":
+        dy_prep_triton(_e(M, N), torch.empty(N), _e(N, r))
+    else:
+        Me, S = 256, 1 if role == "eng1" else 4
+        cfg, _ = h200_w8a16_config(Me, N, K, r)
+        lora_gemm_triton(_e(Me, K), q, sw, h=torch.empty(1, Me, r), B=_e(S, N, r),
+                         meta=build_lora_meta(torch.arange(Me) % S, S), config=cfg)
+    return "triton"
+
+
+def _large_rank_launches() -> None:
+    """The training linear at ranks 384 and 512 on bench/dora.py's 8192 x 8192 (the compile test: no spills)."""
+    for r in (384, 512):
+        for role in LARGE_RANK_ROLES:
+            large_rank_launch(role, 8192, 8192, r)
 
 
 def _gluon_launches() -> list:

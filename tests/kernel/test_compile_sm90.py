@@ -115,6 +115,30 @@ def test_no_register_spills_where_occupancy_matters(compiled):
     assert len(one) >= 2 and all(r["regs"] <= 168 for r in one), [(r["constexprs"], r["regs"]) for r in one]
 
 
+def test_large_rank_training_linear_keeps_its_tiles_without_spills(compiled):
+    """Issue 16: at ranks 384 and 512 (BLOCK_R 512) the training linear's kernels with the H200's configs
+    (sm90_compile_worker.large_rank_launch) have no spill stack: K2's forward (with and without DoRA's g), its dx
+    GEMM and the engine's K2 (per-slot loop and PIPE_SLOTS) multiply h·Bᵀ in rank chunks, K1 runs the ranks in
+    blocks of 128 per program, dy_prep keeps the whole rank. K2's 4096-token forward keeps the 256-token tile and
+    the main loop's stages it has at rank 64 (fit_smem sized the epilogue by the chunk, not the whole rank)."""
+    rows = [r for r in compiled if "stack" in r and r["constexprs"].get("BLOCK_R") == 512
+            and r["name"] in ("_lora_gemm_kernel", "_lora_shrink_kernel", "_dy_prep_kernel")]
+    if not rows:
+        pytest.skip("cuobjdump not available")
+    k2 = [r for r in rows if r["name"] == "_lora_gemm_kernel"]
+    assert {(r["constexprs"]["ALL_SLOT0"], r["constexprs"]["PIPE_SLOTS"]) for r in k2} == {
+        (True, False), (False, False), (False, True)}
+    assert any(r["constexprs"]["HAS_G"] for r in k2) and any(r["constexprs"]["SCALE_W"] == 0 for r in k2)
+    assert {r["name"] for r in rows} == {"_lora_gemm_kernel", "_lora_shrink_kernel", "_dy_prep_kernel"}
+    spilled = [(r["name"], r["constexprs"], r["regs"], r["stack"]) for r in rows if r["stack"] != 0]
+    assert not spilled, spilled
+    # (BLOCK_M, stages) as at rank 64: the forward's invariant config, the dx GEMM's heuristic one
+    for scale_w, want in ((1, (256, 2)), (0, (256, 3))):
+        got = {(r["constexprs"]["BLOCK_M"], r["num_stages"]) for r in k2
+               if r["constexprs"]["ALL_SLOT0"] and r["constexprs"]["SCALE_W"] == scale_w}
+        assert got == {want}, (scale_w, got)
+
+
 def test_pdl_wait_point_present_only_when_asked(compiled):
     """K1 (shrink, with and without the W8A8 quantization programs) triggers its dependent and is itself a
     plain launch (it has no wait); K2 waits and is the one launched with launch_pdl; in W8A8 it asks L2 for

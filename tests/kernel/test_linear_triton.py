@@ -16,8 +16,9 @@ from tests.oracles import lora_linear_fp64
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_forward_backward_vs_reference_and_fp64(with_bias, device):
-    M, K, N, r, s = 37, 96, 80, 8, 0.5
+@pytest.mark.parametrize("r", [8, 384])                     # 384: K1 in rank blocks, K2's epilogue in rank chunks
+def test_forward_backward_vs_reference_and_fp64(with_bias, r, device):
+    M, K, N, s = 37, 96, 80, 0.5
     x = torch.randn(2, M, K, dtype=torch.bfloat16, device=device, requires_grad=True)
     q, sw = fp8.quantize_weight_ref(torch.randn(N, K, device=device) * 0.05)
     A = (torch.randn(r, K, device=device) * 0.1).requires_grad_()

@@ -89,7 +89,8 @@ def test_dispatch_and_errors(device):
     with dispatch.use_backend("torch"):
         lora_shrink(x, A, meta)
     assert dispatch.report() == {"lora_shrink": {"triton": 1, "torch": 1},
-                                 "lora_shrink.schedule": {"batch_invariant": 1}}      # W8A16 (knob auto)
+                                 "lora_shrink.schedule": {"batch_invariant": 1},      # W8A16 (knob auto)
+                                 "lora_shrink.rank_blocks": {"1": 1}}
     with pytest.raises(ValueError, match=r"A\[0\] has last dim 32, expected 64"):
         lora_shrink_triton(x, torch.zeros(2, 16, 32, dtype=torch.bfloat16, device=device), meta)
     with pytest.raises(ValueError, match=r"metadata covers 8 tokens .* x has 7 rows"):
