@@ -190,7 +190,7 @@ round_checks)
     mkdir -p "$OUT/r"
     MODEL=qwen3_8b_shape bash "$0" diagnose > "$OUT/diagnose_stage.log" 2>&1 &
     diag=$!
-    timeout 300 $PY -m pytest tests/gpu/test_kernels_gpu.py tests/gpu/test_dora_gpu.py tests/gpu/test_host_fast_gpu.py \
+    timeout 300 $PY -m pytest tests/gpu/test_kernels_gpu.py tests/gpu/test_dora_gpu.py tests/gpu/test_large_rank_gpu.py tests/gpu/test_host_fast_gpu.py \
         tests/gpu/test_pdl_gpu.py -m gpu -q -rs --timeout 280 > "$OUT/gpu_kernel_tests.log" 2>&1
     echo "kernel tests rc=$?"; tail -15 "$OUT/gpu_kernel_tests.log"
     timeout 240 $PY -m pytest tests/gpu/test_one_copy_gpu.py tests/gpu/test_plugin_gpu.py -m gpu -q -rs --timeout 230 \
@@ -202,7 +202,7 @@ round_timing)
     mkdir -p "$OUT/r"
     PROFILE_VARIANTS=${PROFILE_VARIANTS:-"no_overlap:engine.parity_probe.overlap=false"} PROFILE_STEPS=${PROFILE_STEPS:-5} \
         PROFILE_TIMEOUT=170 bash "$0" profile
-    timeout 120 $PY bench/dora.py --ranks ${DORA_RANKS:-64,384} --rounds 10 --out "$OUT/r/dora_h200.json" > "$OUT/dora.log" 2>&1
+    timeout 120 $PY bench/dora.py --ranks ${DORA_RANKS:-64 384} --rounds 10 --out "$OUT/r/dora_h200.json" > "$OUT/dora.log" 2>&1
     echo "dora rc=$?"; tail -25 "$OUT/dora.log"
     timeout 90 $PY bench/lab/linear_profile.py --shape 8192x8192 --ranks 64,384 --out "$OUT/r/linear_profile_h200.json" \
         > "$OUT/linear_profile.log" 2>&1; echo "linear_profile rc=$?"; tail -40 "$OUT/linear_profile.log"
