@@ -121,8 +121,13 @@ def main(argv=None) -> int:
         rows = list(pool.map(measure, items))
     print_table(rows)
     if a.json:
+        import subprocess
+
+        import triton
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
         with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"command": "python " + " ".join(sys.argv), "target": "sm_90a, compiled on this CPU (Triton's ptxas)",
+                       "triton": triton.__version__, "commit": commit, "rows": rows}, f, indent=1)
     return 0
 
 
