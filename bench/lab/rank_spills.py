@@ -121,8 +121,6 @@ def main(argv=None) -> int:
         rows = list(pool.map(measure, items))
     print_table(rows)
     if a.json:
-        import subprocess
-
         import triton
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
         with open(a.json, "w") as f:
