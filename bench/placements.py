@@ -238,10 +238,8 @@ def run_s(est: dict[str, float], steps: int) -> float:
 
 
 def _parameters(arch: dict) -> float:
-    h, inter, layers = arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"]
-    head_dim = arch.get("head_dim") or h // arch["num_attention_heads"]
-    attn = h * head_dim * (2 * arch["num_attention_heads"] + 2 * arch["num_key_value_heads"])
-    return layers * (attn + 3 * h * inter) + arch["vocab_size"] * h * 2
+    from rlfp8.memory_plan import projection_params
+    return projection_params(arch) + arch["vocab_size"] * arch["hidden_size"] * 2      # + embeddings and lm_head
 
 
 # ------------------------------------------------------------------ the machine (no CUDA context in this process)

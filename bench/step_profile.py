@@ -15,7 +15,8 @@ reads three sets of timers after each step:
 A call's Ray overhead is its wall time in the driver minus the phases its actor reports for it. With
 engine.parity_probe.overlap (on a GPU) the trainer scores the probe beside the next rollout: that row is
 reported under "overlapped_rows_s", outside the step's sum, and the driver's wait for it (driver/probe_wait)
-is in the step. The trainer's timers are read after the next step, so reading them waits for nothing. With
+is in the step. The actors' timers are queued behind each step and read once the run is over, so reading
+them waits for nothing. With
 --sync (default on a GPU) every phase end synchronises CUDA, so GPU time is charged where it is launched.
 Engine start (the placement's set-up) is reported separately from the steps.
 """
@@ -186,15 +187,8 @@ def summarize(args, cfg: dict, setup_s: float, steps: list[dict], sync: bool) ->
     import torch
     measured = [s for s in steps if s["measured"]] or steps
     mean_step = sum(s["step_s"] for s in measured) / len(measured)
-    rows = defaultdict(float)
-    for s in measured:
-        for k, v in s["rows"].items():
-            rows[k] += v / len(measured)
+    rows, beside = _mean_rows(measured, "rows"), _mean_rows(measured, "overlapped_rows")
     ordered = dict(sorted(rows.items(), key=lambda kv: -kv[1]))
-    beside = defaultdict(float)
-    for s in measured:
-        for k, v in s["overlapped_rows"].items():
-            beside[k] += v / len(measured)
     gen = rows.get("engine:engine/generate", 0.0)
     return {
         "label": args.label, "command": "python bench/step_profile.py " + " ".join(sys.argv[1:]),
@@ -208,6 +202,15 @@ def summarize(args, cfg: dict, setup_s: float, steps: list[dict], sync: bool) ->
         "parity_probe_overlap": bool(cfg["engine"]["parity_probe"]["overlap"]),
         "mean_rows_s": ordered, "overlapped_rows_s": dict(beside), "steps": steps,
     }
+
+
+def _mean_rows(steps: list[dict], key: str) -> dict[str, float]:
+    """Each row's mean over the steps (a row missing in a step counts 0 there)."""
+    rows = defaultdict(float)
+    for s in steps:
+        for k, v in s[key].items():
+            rows[k] += v / len(steps)
+    return rows
 
 
 def _versions() -> dict:

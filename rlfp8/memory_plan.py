@@ -112,10 +112,10 @@ def estimate(cfg: dict, arch: dict) -> dict[str, float]:
     estimate of its activations per micro-batch. `peak` adds what is resident at once: with the KV cache released
     while training, the larger of rollout and train."""
     gib, h, inter, layers = 2**30, arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"]
-    heads, kv_heads = arch["num_attention_heads"], arch["num_key_value_heads"]
-    head_dim = arch.get("head_dim") or h // heads
+    kv_heads = arch["num_key_value_heads"]
+    head_dim = arch.get("head_dim") or h // arch["num_attention_heads"]
     elem = 4 if cfg["model"]["dtype"] == "float32" else 2
-    proj = layers * (h * head_dim * (heads + 2 * kv_heads) + heads * head_dim * h + 3 * h * inter)
+    proj = projection_params(arch)
     dense = arch["vocab_size"] * h * (1 if arch.get("tie_word_embeddings") else 2) * elem
     eng_bytes = 1 if cfg["engine"]["precision"] in ("w8a16", "w8a8", "w8a8_vllm") else elem
     ecfg, tcfg = cfg["engine"], cfg["trainer"]
@@ -142,12 +142,22 @@ def estimate(cfg: dict, arch: dict) -> dict[str, float]:
     return plan
 
 
-def adapter_params(cfg: dict, arch: dict) -> int:
-    """Trainable LoRA parameters: adapter.rank x (in + out features) of every adapted projection of every layer."""
+def projection_shapes(arch: dict) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each of one decoder layer's seven projections, from the model's HF config dict."""
     h, inter, heads = arch["hidden_size"], arch["intermediate_size"], arch["num_attention_heads"]
     head_dim = arch.get("head_dim") or h // heads
     q, kv = heads * head_dim, arch["num_key_value_heads"] * head_dim
-    in_out = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
-              "up_proj": (h, inter), "down_proj": (inter, h)}
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, inter),
+            "up_proj": (h, inter), "down_proj": (inter, h)}
+
+
+def projection_params(arch: dict) -> int:
+    """Weights of every layer's projections (the part rlfp8 quantizes)."""
+    return arch["num_hidden_layers"] * sum(i * o for i, o in projection_shapes(arch).values())
+
+
+def adapter_params(cfg: dict, arch: dict) -> int:
+    """Trainable LoRA parameters: adapter.rank x (in + out features) of every adapted projection of every layer."""
+    in_out = projection_shapes(arch)
     per_layer = sum(sum(in_out[m]) for m in cfg["adapter"]["target_modules"] if m in in_out)
     return int(cfg["adapter"]["rank"]) * per_layer * arch["num_hidden_layers"]

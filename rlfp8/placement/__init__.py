@@ -25,16 +25,10 @@ def call(actor_method, *args, **kwargs):
     return ray.get(actor_method.remote(*args, **kwargs))
 
 
-def call_together(*calls):
-    """Start several actor methods at once and wait for them all (actors work side by side):
-    call_together((engine.score, seqs, lens), (trainer.score_tokens, seqs, lens)) -> [engine's, trainer's]."""
-    import ray
-    return ray.get(start_together(*calls))
-
-
 def start_together(*calls) -> list:
-    """Start several actor methods at once without waiting: their object refs, in order (ray.get them later;
-    each actor runs its calls in the order they were started, so a later call to the same actor waits)."""
+    """Start several actor methods at once without waiting (actors work side by side): their object refs, in
+    order, start_together((engine.score, seqs, lens), (trainer.score_tokens, seqs, lens)); ray.get them later.
+    Each actor runs its calls in the order they were started, so a later call to the same actor waits."""
     return [method.remote(*args) for method, *args in calls]
 
 

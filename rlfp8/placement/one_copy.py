@@ -66,11 +66,6 @@ class OneCopy(Placement):
         self._compare(ray.get(engine_ref), f"after {syncs} syncs (engine)")
         self._compare(ray.get(trainer_ref), f"after {syncs} syncs (trainer)")
 
-    def verify_base(self) -> None:
-        """Both sides' checksums of the shared base equal the set-up ones now (raises BaseWrittenError)."""
-        self._compare(call(self.engine.base_checksums), f"after {self.syncs} syncs (engine)")
-        self._compare(call(self.trainer.base_checksums), f"after {self.syncs} syncs (trainer)")
-
     def _compare(self, got: dict[str, int], when: str) -> None:
         bad = sorted(k for k in got if got[k] != self.checksum.get(k))
         if bad:
