@@ -53,9 +53,12 @@ def _norm_pieces_kernel(q_ptr, sw_ptr, a_ptr, u_ptr, wsq_ptr, N, K, R,
             a_hi = a.to(tl.bfloat16)
             part = tl.dot(w16, a_hi)
             part = tl.dot(w16, (a - a_hi.to(tl.float32)).to(tl.bfloat16), part)
+            acc += part
         else:
             part = tl.dot(w.to(tl.float32), a, input_precision="ieee")
-        acc += part
+            # an fma, not +=: Triton folds `acc + dot(a, b)` into `dot(a, b, acc)` (one running sum over K again:
+            # the H200 measured 7x cuBLAS's fp32 error); fma(part, 1, acc) rounds as the add does
+            acc = tl.fma(part, 1.0, acc)
         if WANT_WSQ:
             wf = w.to(tl.float32)
             sq += tl.sum(wf * wf, axis=1)
