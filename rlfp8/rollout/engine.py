@@ -101,6 +101,7 @@ class RolloutEngine:
             if ecfg["kv_cache_memory_gb"]:
                 kwargs["kv_cache_memory_bytes"] = int(float(ecfg["kv_cache_memory_gb"]) * 2**30)
         kwargs.update(llm_overrides or {})
+        self.enable_prefix_caching = bool(kwargs.get("enable_prefix_caching"))
         self.llm = LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
         self.lora = None                # the LoRARequest served, once an adapter was set
@@ -122,6 +123,10 @@ class RolloutEngine:
             if self.lora is None:
                 self._register(update)
             adapter_slots.write_slot(self._manager(), ADAPTER_ID, update)
+            # the cached prompt KV was computed with the previous adapter, and vLLM's block hashes cannot see an
+            # in-place write (same LoRA id): without this, a repeated prompt (every held-out eval) reads stale KV
+            if self.enable_prefix_caching and not self.llm.reset_prefix_cache():
+                raise RuntimeError("set_adapter: vLLM refused to reset the prefix cache (requests still running)")
         self.version = int(update["version"])
         return self.version
 

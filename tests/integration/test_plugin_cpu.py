@@ -168,3 +168,19 @@ def test_dora_adapter_served_without_merging(tmp_path):
     from rlfp8.rollout.compat import lora_adapter_manager
     g = lora_adapter_manager(engine.llm).modules["model.layers.0.mlp.gate_up_proj"].rlfp8_dora_g[0]
     assert (g - 1).abs().max() > 1e-2                              # the scale is not a no-op here
+
+
+def test_in_place_update_drops_the_prefix_cache(matched):
+    """A prompt's cached KV was computed with the adapter of its time: after an in-place update (same LoRA id, so
+    vLLM's block hashes do not change) a repeated prompt must be recomputed, else the engine samples from stale
+    KV (the held-out prompts repeat every eval). Long prompts: several full KV blocks to hit the cache."""
+    trainer, engine, _ = matched
+    long_prompts = [[1 + (7 * i + j) % 90 for j in range(200)] for i in range(2)]
+    engine.set_adapter(trainer.export_adapter())
+    engine.generate(long_prompts, n=2, temperature=1.0, max_tokens=4, seed=3)      # fills the prefix cache
+    _randomize_b(trainer, 0.6)
+    engine.set_adapter(trainer.export_adapter())
+    samples = engine.generate(long_prompts, n=2, temperature=1.0, max_tokens=4, seed=5)
+    ours = trainer.score(_batch(long_prompts, samples))
+    diff = max(abs(a - b) for o, s in zip(ours, samples) for a, b in zip(o, s.logprobs))
+    assert diff <= 1e-4, f"max |logp_engine - logp_trainer| = {diff:.2e} after an in-place update (stale prefix KV?)"
