@@ -16,11 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rlfp8.provenance import versions  # noqa: E402  (re-exported: bench/scaling.py imports it from here)
 
 
 def summarize(run_dir: Path) -> dict:
@@ -50,21 +52,6 @@ def summarize(run_dir: Path) -> dict:
         "train_tokens_per_s": mean("train/tokens_per_s"),
         "rollout_tokens_per_s": mean("rollout/tokens_per_s"),
     }
-
-
-def versions() -> dict:
-    out = {"python": platform.python_version()}
-    for mod in ("torch", "triton", "vllm", "transformers", "ray"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception as e:          # recorded, not fatal: the JSON says what was missing
-            out[mod] = f"unavailable ({type(e).__name__})"
-    try:
-        import torch
-        out["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    except Exception:
-        out["gpu"] = "unknown"
-    return out
 
 
 def _start(spec: str, runs_root: str):

@@ -179,6 +179,8 @@ def run(argv: list[str]) -> int:
     from .decompose import build_report
     report = build_report(cfg, samples, pairs, trainer_arms, hf_floor_arm, vllm_floor,
                           {"engines": skipped_engines, "trainers": skipped_trainers}, failed, time.time() - t0)
+    from rlfp8.provenance import command, versions
+    report.update(command=command(), versions=versions())
     from . import report as rep
     print(rep.table(report["pairs"]))
     print(rep.floor_text(report["floor"]))

@@ -123,6 +123,8 @@ def test_diagnose_cli_tiny(first_run):
     assert "full KL" in r.stdout and "floor (engine bf16 / trainer bf16" in r.stdout
     report = json.loads((out / "report.json").read_text())
     assert (out / "report.png").stat().st_size > 1000 and (out / "samples.json").exists()
+    assert "rlfp8.diagnose" in report["command"] or "diagnose" in report["command"], report["command"]
+    assert report["versions"]["vllm"][0].isdigit() and report["versions"]["gpu"] == "cpu", report["versions"]
     assert "w8a8_vllm" in report["skipped"]["engines"] and "CUDA" in report["skipped"]["engines"]["w8a8_vllm"]
     pairs = {(p["engine"], p["trainer"]): p for p in report["pairs"]}
     assert set(pairs) == {(e, t) for e in ("engine_bf16", "engine_w8a16") for t in ("trainer_bf16", "trainer_fp8")}
