@@ -27,6 +27,7 @@
 #            on the Qwen3-8B shape (background); tarred to checks.tgz
 #   round_timing  one call, nothing else on the GPU: the step profile (quickstart, probe overlap on and off),
 #            bench/dora.py at r = 64 and 384, the training linear's per-kernel profile
+#   round_dora    one call: the DoRA / Gluon main-loop GPU tests, then bench/dora.py (r = 64/384/512) and the profile
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -207,6 +208,17 @@ round_timing)
     timeout 90 $PY bench/lab/linear_profile.py --shape 8192x8192 --ranks 64,384 --out "$OUT/r/linear_profile_h200.json" \
         > "$OUT/linear_profile.log" 2>&1; echo "linear_profile rc=$?"; tail -40 "$OUT/linear_profile.log"
     ;;
+round_dora)  # one call: the DoRA and Gluon-main-loop GPU tests (bit-identical to K2, norm pieces), then bench/dora.py and
+             # the per-kernel profile at r = 64 / 384 / 512 (issue 16's timing line)
+    mkdir -p "$OUT/r"
+    timeout 240 $PY -m pytest tests/gpu/test_dora_gpu.py tests/gpu/test_large_rank_gpu.py \
+        tests/gpu/test_kernels_gpu.py -k "${DORA_TESTS:-gluon or dora or norm or rank}" -m gpu -q -rs --timeout 230 \
+        > "$OUT/gpu_dora_tests.log" 2>&1; echo "dora / gluon tests rc=$?"; tail -15 "$OUT/gpu_dora_tests.log"
+    timeout 180 $PY bench/dora.py --ranks ${DORA_RANKS:-64 384 512} --rounds 10 --out "$OUT/r/dora_h200.json" \
+        > "$OUT/dora.log" 2>&1; echo "dora rc=$?"; tail -8 "$OUT/dora.log"
+    timeout 120 $PY bench/lab/linear_profile.py --shape 8192x8192 --ranks 64,384 --out "$OUT/r/linear_profile_h200.json" \
+        > "$OUT/linear_profile.log" 2>&1; echo "linear_profile rc=$?"; grep -E "ms$|^r=" "$OUT/linear_profile.log" | head -20
+    ;;
 *)
-    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn|trace|diagnose|study|final_a|final_b|round_kernels|round_engine|placements_32b|placements_8b|round_study|round_checks|round_timing [--run NAME:overrides ...]"; exit 2 ;;
+    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn|trace|diagnose|study|final_a|final_b|round_kernels|round_engine|placements_32b|placements_8b|round_study|round_checks|round_timing|round_dora [--run NAME:overrides ...]"; exit 2 ;;
 esac
