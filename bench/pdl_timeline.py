@@ -6,7 +6,10 @@ slices, down 12288->4096) and for the four together (the layer), one rank-64 ada
 M in {1, 4, 16, 64}, both engine modes (w8a8, w8a16), three arms of rlfp8.kernels.fp8_lora_linear:
   base   : no adapter (W8A8: the activation quantizer + K2; W8A16: K2), our own no-adapter layer
   stream : K1 + K2 in plain stream order (kernel knob pdl=off)
-  pdl    : K1 + K2, K2 as K1's programmatic dependent (pdl=on)
+  pdl    : K1 + K2, K2 as K1's programmatic dependent (pdl=on); W8A8 quantizes x in its own kernel before K1,
+           so K2 waits for K1 only before its epilogue (knob pdl_w8a8_quant=separate, the default)
+  pdl_fused (W8A8 only): the same with K1 quantizing x beside its shrink, K2 waiting before its main loop
+           (pdl_w8a8_quant=fused: the earlier default), timed in the same paired replays
 Times: median µs of --reps CUDA-graph replays, L2 flushed before each, the three graphs replayed in turn
 (bench/kernels.py Timer.paired_us). Overhead ratio = (pdl - base) / (stream - base): how much of the
 adapter's cost PDL leaves.
@@ -17,7 +20,8 @@ timeline.py, off in every production path) at K1's start/end (earliest/latest pr
 replays. Reported per projection: K1's span, K2's offset from K1's start, program 0's first-wave main loop
 (stream arm: no wait inside), its wait under PDL, and the exposed K1 = the PDL pair's span minus K2's span
 alone (stream arm). The overlap hides K1 when K2's first-wave main loop outlasts what is left of K1 after
-K2 starts (W8A16; W8A8 waits before its main loop, so only the launch and the L2 prefetch overlap).
+K2 starts (W8A16, and W8A8 with x quantized before K1; with K1 quantizing, W8A8 waits before its main loop,
+so only the launch and the L2 prefetch overlap).
 The globaltimer's update interval bounds the stamps' resolution: the JSON gives the gcd of the K1-start to
 K2-end spans seen (globaltimer_gcd_ns; ~1000 would mean a 1 µs update interval).
 
@@ -46,6 +50,7 @@ MS = (1, 4, 16, 64)
 MODES = ("w8a8", "w8a16")
 RANK = 64
 ARMS = ("base", "stream", "pdl")
+W8A8_ARMS = ARMS + ("pdl_fused",)
 ACCEPT_RATIO, ACCEPT_EXPOSED_US = 1.06, 2.0          # issue 15: layer <= 1.06x no-adapter, <= 2 us exposed
 T0 = time.time()
 
@@ -88,7 +93,8 @@ def arm_fn(probs, projs, M, mode, arm):
     from rlfp8.kernels.projection import fp8_lora_linear
 
     def fn():
-        saved = set_knobs(pdl="on" if arm == "pdl" else "off")
+        saved = set_knobs(pdl="on" if arm.startswith("pdl") else "off",
+                          pdl_w8a8_quant="fused" if arm == "pdl_fused" else "separate")
         try:
             for p in projs:
                 xs, q, sw, A, B, metas = probs[p]
@@ -101,13 +107,14 @@ def arm_fn(probs, projs, M, mode, arm):
     return fn
 
 
-def precompile(probs, jobs, arms=ARMS, initializer=None, initargs=()):
+def precompile(probs, jobs, arms=W8A8_ARMS, initializer=None, initargs=()):
     from rlfp8.kernels import _triton_utils as tu
     with tu.collect_launches() as rec:
         for mode in MODES:
             for M in MS:
                 for arm in arms:
-                    arm_fn(probs, list(SHAPES), M, mode, arm)()
+                    if arm in ARMS or mode == "w8a8":
+                        arm_fn(probs, list(SHAPES), M, mode, arm)()
     info = tu.precompile(rec, jobs=jobs, initializer=initializer, initargs=initargs)
     log(f"precompiled {info['kernels']} kernels in {info['seconds']} s, errors: {info['errors']}")
     return info
@@ -115,7 +122,8 @@ def precompile(probs, jobs, arms=ARMS, initializer=None, initargs=()):
 
 # ------------------------------------------------------------------------------------------------ timing
 def time_arms(probs, reps):
-    """Rows {proj, M, mode, base_us, stream_us, pdl_us, overhead_ratio, pdl_over_base}; proj "layer" = all four."""
+    """Rows {proj, M, mode, base_us, stream_us, pdl_us, overhead_ratio, pdl_over_base (+ W8A8: pdl_fused_us,
+    pdl_fused_over_base)}; proj "layer" = all four."""
     from kernels import Timer                           # bench/kernels.py: paired CUDA-graph replays, L2 flushed
     timer = Timer(reps)
     rows = []
@@ -123,10 +131,14 @@ def time_arms(probs, reps):
         for M in MS:
             for proj in list(SHAPES) + ["layer"]:
                 projs = list(SHAPES) if proj == "layer" else [proj]
-                base, stream, pdl = timer.paired_us([arm_fn(probs, projs, M, mode, a) for a in ARMS])
-                rows.append(dict(proj=proj, M=M, mode=mode, base_us=round(base, 2), stream_us=round(stream, 2),
-                                 pdl_us=round(pdl, 2), pdl_over_base=round(pdl / base, 4),
-                                 overhead_ratio=round((pdl - base) / (stream - base), 3) if stream > base else None))
+                arms = W8A8_ARMS if mode == "w8a8" else ARMS
+                base, stream, pdl, *fused = timer.paired_us([arm_fn(probs, projs, M, mode, a) for a in arms])
+                row = dict(proj=proj, M=M, mode=mode, base_us=round(base, 2), stream_us=round(stream, 2),
+                           pdl_us=round(pdl, 2), pdl_over_base=round(pdl / base, 4),
+                           overhead_ratio=round((pdl - base) / (stream - base), 3) if stream > base else None)
+                if fused:
+                    row.update(pdl_fused_us=round(fused[0], 2), pdl_fused_over_base=round(fused[0] / base, 4))
+                rows.append(row)
     return rows
 
 
@@ -225,8 +237,9 @@ def summary_lines(times, timeline_rows):
         if t:
             extra = (f" | K1 {t['pdl_k1_us']} us, K2 first wave {t['first_wave_mainloop_us']} us, "
                      f"exposed K1 {t['exposed_k1_us']} us, hidden={t['hidden_condition']}")
+        fused = f"  (K1 quantizing: {r['pdl_fused_us']:7.2f} us)" if "pdl_fused_us" in r else ""
         print(f"{r['mode']:5s} M={r['M']:<3d} {r['proj']:7s} base {r['base_us']:7.2f}  stream {r['stream_us']:7.2f}  "
-              f"pdl {r['pdl_us']:7.2f} us  pdl/base {r['pdl_over_base']:.3f}  overhead pdl/stream "
+              f"pdl {r['pdl_us']:7.2f} us{fused}  pdl/base {r['pdl_over_base']:.3f}  overhead pdl/stream "
               f"{r['overhead_ratio']}{extra}", flush=True)
 
 

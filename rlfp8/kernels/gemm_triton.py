@@ -51,7 +51,7 @@ Kernel strategy (Hopper):
     the next slot's B tile prefetched, so a tile with 16-32 slots waits for one memory round trip instead of
     two per slot).
   * the wait point for h is explicit: with USE_PDL a `gdc_wait()` sits right before the epilogue reads h
-    (before the main loop in W8A8, whose x_q also comes from K1), so K2 launched as K1's programmatic
+    (before the main loop in W8A8 when its x_q also comes from K1: PDL_WAIT_EARLY), so K2 launched as K1's programmatic
     dependent (rlfp8.kernels.projection) overlaps K1 with its main loop. In W8A8 the first-wave programs
     only ask L2 for the first bytes of their weight rows before the wait (_prefetch_weight_rows). Nothing
     before the wait reads what K1 writes; gdc_wait returns once K1 has completed and flushed. The
@@ -625,10 +625,11 @@ def _x_operand(x, cfg, gather):
     return x_arg, x_tma
 
 
-def _pdl_wait_early(mode, use_pdl, q, K, w_tma):
-    """W8A8 waits for K1 before its main loop; with PDL it first prefetches its weight rows into L2 (2) where
-    they are plain 16-byte aligned rows (not a TMA descriptor). W8A16 waits before the epilogue (False)."""
-    if mode != "w8a8":
+def _pdl_wait_early(mode, use_pdl, q, K, w_tma, x_from_primary=True):
+    """W8A8 with x_q from K1 waits for K1 before its main loop; with PDL it first prefetches its weight rows into
+    L2 (2) where they are plain 16-byte aligned rows (not a TMA descriptor). W8A16, and W8A8 with x quantized
+    before K1 (x_from_primary=False), wait before the epilogue (False)."""
+    if mode != "w8a8" or not x_from_primary:
         return False
     aligned = q.stride(1) == 1 and q.stride(0) % 16 == 0 and q.data_ptr() % 16 == 0 and K % 16 == 0
     return 2 if use_pdl and not w_tma and aligned else True
@@ -668,7 +669,8 @@ def _gluon_mainloop(x, q, w_scale, h, B, slices, has_lora, gather, g, bias, lora
 
 def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAMeta | None = None, g=None,
                      bias=None, out_dtype=None, out=None, config: GemmConfig | None = None, gather=None,
-                     lora_precision: str = "bf16x2", use_pdl: bool = False) -> torch.Tensor:
+                     lora_precision: str = "bf16x2", use_pdl: bool = False,
+                     x_from_primary: bool = True) -> torch.Tensor:
     mode, slices = check_lora_gemm_args(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype)
     _check_launch(x, mode, lora_precision, use_pdl, q)
     M, K = x.shape
@@ -718,7 +720,7 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
            GATHER=bool(gather), HAS_G=g is not None and has_lora, HAS_BIAS=bias is not None,
            LORA_PREC=lora_precision, LORA_DT=_lora_dt(slices[0].dtype if has_lora else None),
            EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,
-           USE_PDL=use_pdl, PDL_WAIT_EARLY=_pdl_wait_early(mode, use_pdl, q, K, w_tma), W_TMA=w_tma, SWAP_AB=cfg.swap_ab, X_TMA=x_tma,
+           USE_PDL=use_pdl, PDL_WAIT_EARLY=_pdl_wait_early(mode, use_pdl, q, K, w_tma, x_from_primary), W_TMA=w_tma, SWAP_AB=cfg.swap_ab, X_TMA=x_tma,
            **_variant_flags(cfg, mode, x, meta, has_lora, dist_red),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
     return out

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 BACKENDS = ("auto", "triton", "torch")
 W8A16_WIDENINGS = ("bits", "cvt")
 PDL_MODES = ("auto", "on", "off")
+PDL_W8A8_QUANT = ("separate", "fused")
 BATCH_INVARIANT = ("auto", "on", "off")
 
 
@@ -43,6 +44,10 @@ class KernelKnobs:
     # overlapping K1 (same bits). auto = where the GPU is sm_90+ and Triton has gdc_*; on = require it
     # (error elsewhere); off = plain stream order. dispatch records "lora_gemm.launch" = pdl | stream
     pdl: str = "auto"
+    # W8A8 under PDL: "separate" = x quantized by its own kernel before K1, so K2 waits for K1 only before its
+    # epilogue (as W8A16) and its main loop overlaps K1; "fused" = K1 quantizes x beside its shrink and K2 waits
+    # before its main loop (x_q is K1's). Same codes, same bits; dispatch records "lora_gemm.pdl_wait"
+    pdl_w8a8_quant: str = "separate"
     # K1/K2 launch configs whose reductions over K follow one schedule per weight shape, whatever the token
     # count (gemm_configs.reduction_schedule): "auto" = for the W8A16 calls (the matched engine and the FP8
     # trainer's forward), "on" = W8A8 too, "off" = the tuned per-token-count configs everywhere
@@ -64,12 +69,14 @@ ENV_VARS = {
     "RLFP8_FP8_PRECISE_ACC": "fp8_precise_acc",
     "RLFP8_TUNED_GPU": "tuned_gpu",
     "RLFP8_PDL": "pdl",
+    "RLFP8_PDL_W8A8_QUANT": "pdl_w8a8_quant",
     "RLFP8_BATCH_INVARIANT": "batch_invariant",
     "RLFP8_HOST_FAST": "host_fast",
 }
 ENV_VARS_BY_KNOB = {knob: var for var, knob in ENV_VARS.items()}
 _NAMES = tuple(f.name for f in dataclasses.fields(KernelKnobs))
-_CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "pdl": PDL_MODES, "batch_invariant": BATCH_INVARIANT}
+_CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "pdl": PDL_MODES, "pdl_w8a8_quant": PDL_W8A8_QUANT,
+            "batch_invariant": BATCH_INVARIANT}
 _FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "host_fast")
 
 

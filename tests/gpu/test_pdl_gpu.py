@@ -1,5 +1,6 @@
 """GPU tier (marked gpu) for issue 15: the engine projection (fp8_lora_linear) with K2 launched as K1's
-programmatic dependent (kernel knob pdl=on) gives the same bits as plain stream order (pdl=off), both modes,
+programmatic dependent (kernel knob pdl=on) gives the same bits as plain stream order (pdl=off), both modes
+(W8A8 with x quantized before K1 and with K1's quantization: knob pdl_w8a8_quant),
 M in {1, 8, 64, 512}, Qwen3-8B qkv (3 slices) and down (K = 12288) shapes, one rank-64 adapter with tokens
 without adapter beside it; also replayed from CUDA graphs (100 replays, every one bit-identical).
     python -m pytest tests/gpu/test_pdl_gpu.py -m gpu -v -s
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.gpu
 
 SHAPES = {"qkv": (4096, (4096, 1024, 1024)), "down": (12288, (4096,))}
 MS = (1, 8, 64, 512)
-MODES = ("w8a16", "w8a8")
+MODES = ("w8a16", "w8a8", "w8a8_fused")        # w8a8: knob pdl_w8a8_quant=separate (default); _fused: K1 quantizes
 DEV = "cuda"
 
 
@@ -38,7 +39,8 @@ def _problem(shape, M, r=64, seed=0):
 
 
 def _run(pdl, mode, x, q, sw, A, B, meta):
-    saved = set_knobs(pdl=pdl)
+    mode, _, fused = mode.partition("_")
+    saved = set_knobs(pdl=pdl, pdl_w8a8_quant=fused or "separate")
     try:
         return fp8_lora_linear(x, q, sw, A, B, meta, mode=mode)
     finally:
@@ -94,7 +96,8 @@ def test_pdl_inside_cuda_graphs(shape, M, mode):
         _run("on", mode, static_x, q, sw, A, B, meta)         # warm-up outside the graph (counters, caches)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    saved = set_knobs(pdl="on")
+    mode, _, fused = mode.partition("_")
+    saved = set_knobs(pdl="on", pdl_w8a8_quant=fused or "separate")
     try:
         with torch.cuda.graph(graph):
             y = fp8_lora_linear(static_x, q, sw, A, B, meta, mode=mode)

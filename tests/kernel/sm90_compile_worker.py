@@ -158,6 +158,9 @@ def _rank_and_pdl_launches(r: int = 64) -> None:
             lora_gemm_triton(x if quant is None else _e(M, K, dtype=FP8), q, sw,
                              x_scale=None if quant is None else torch.empty(M, 1), h=so.h, B=B, meta=meta,
                              use_pdl=True)
+        # W8A8 with x quantized before K1 (knob pdl_w8a8_quant=separate): K2 waits only before its epilogue
+        lora_gemm_triton(_e(M, K, dtype=FP8), q, sw, x_scale=torch.empty(M, 1), h=so.h, B=B, meta=meta,
+                         use_pdl=True, x_from_primary=False)
 
 
 def _tuned_table_launches(S: int = 4, r: int = 64) -> None:

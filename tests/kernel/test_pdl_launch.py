@@ -79,20 +79,41 @@ def test_choose_launch_follows_the_knob_and_records(monkeypatch, capability, mod
     assert dispatch.report() == {"lora_gemm.launch": {expect: 1}}
 
 
-@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
-def test_projection_launches_k2_as_k1s_dependent(monkeypatch, mode):
+@pytest.mark.parametrize("mode, w8a8_quant", [("w8a16", "separate"), ("w8a8", "separate"), ("w8a8", "fused")])
+def test_projection_launches_k2_as_k1s_dependent(monkeypatch, mode, w8a8_quant):
     """Where PDL resolves on: K1 triggers its dependent and is itself a plain launch; K2 is launched with
-    launch_pdl and waits (W8A8: before its main loop, after the L2 prefetch of its weight rows)."""
+    launch_pdl and waits before its epilogue, except W8A8 with pdl_w8a8_quant=fused, where x_q is K1's: then
+    before its main loop, after the L2 prefetch of its weight rows. W8A8 separate quantizes x first, in stream
+    order, and K1 only shrinks."""
     x, q, sw, A, B, _, meta = _problem()
     monkeypatch.setattr(dispatch, "pdl_unavailable", lambda device: None)
+    knobs.set_knobs(pdl_w8a8_quant=w8a8_quant)
     with dispatch.use_backend("triton"), tu.collect_launches() as rec:
         fp8_lora_linear(x, q, sw, A, B, meta, mode=mode)
+    apart = mode == "w8a8" and w8a8_quant == "separate"
+    if apart:
+        (kq, _, _, kwq), *rec = rec
+        assert kq.fn.__name__ == "_quant_rows_kernel" and "launch_pdl" not in kwq and not kwq.get("USE_PDL")
     (k1, _, _, kw1), (k2, _, _, kw2) = rec
     assert k1.fn.__name__ == "_lora_shrink_kernel" and kw1["USE_PDL"] and "launch_pdl" not in kw1
-    assert kw1["QUANT"] == (1 if mode == "w8a8" else 0) and kw1["SPLIT_K"] == 2
+    assert kw1["QUANT"] == (1 if mode == "w8a8" and not apart else 0) and kw1["SPLIT_K"] == 2
     assert k2.fn.__name__ == "_lora_gemm_kernel" and kw2["USE_PDL"] and kw2["launch_pdl"] is True
-    assert kw2["PDL_WAIT_EARLY"] == (2 if mode == "w8a8" else False)
+    assert kw2["PDL_WAIT_EARLY"] == (2 if mode == "w8a8" and not apart else False)
     assert dispatch.report()["lora_gemm.launch"] == {"pdl": 1}
+    assert dispatch.report()["lora_gemm.pdl_wait"] == {"main_loop" if kw2["PDL_WAIT_EARLY"] else "epilogue": 1}
+
+
+def test_w8a8_codes_from_the_quantizer_equal_k1s():
+    """pdl_w8a8_quant=separate feeds K2 the quantizer's x_q / x_scale instead of K1's: they must be the same
+    bits (interpreter), or W8A8 outputs would depend on the launch mode."""
+    from rlfp8.kernels.fp8 import quantize_activation
+    x, _, _, A, _, _, meta = _problem(M=5, K=1024)
+    x = x * torch.logspace(-3, 3, x.shape[1]).to(torch.bfloat16)       # a wide range of magnitudes per row
+    with dispatch.use_backend("triton"):
+        so = lora_shrink_triton(x, A, meta, quant="div")
+        x_q, x_scale = quantize_activation(x, "div")
+    assert torch.equal(so.x_scale, x_scale)
+    assert torch.equal(so.x_q.view(torch.uint8), x_q.view(torch.uint8))
 
 
 def test_without_a_shrink_k2_follows_in_stream_order(monkeypatch):
