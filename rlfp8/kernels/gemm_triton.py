@@ -499,7 +499,7 @@ def _lora_dt(b_dtype):
     return tl.float16 if b_dtype == torch.float16 else tl.bfloat16
 
 
-def _rs_unsupported(x, q, slices, gather, g, lora_precision, use_pdl, out_dtype) -> str | None:
+def _rs_unsupported(x, q, slices, gather, lora_precision, use_pdl, out_dtype) -> str | None:
     """None when lora_gemm_rs can run this W8A16 call with K2's exact arithmetic, else the reason."""
     if not knobs().gemm_rs:
         return "kernel knob gemm_rs=false"
@@ -513,8 +513,7 @@ def _rs_unsupported(x, q, slices, gather, g, lora_precision, use_pdl, out_dtype)
         from . import gemm_rs
     except ImportError as e:                    # Triton without Gluon
         return f"gluon unavailable ({e})"
-    return gemm_rs.supported(x, q, None if slices is None else slices[0].shape[2], gather=bool(gather),
-                             has_g=g is not None)
+    return gemm_rs.supported(x, q, None if slices is None else slices[0].shape[2], gather=bool(gather))
 
 
 def _check_launch(x, mode, lora_precision, use_pdl, q):
@@ -657,13 +656,13 @@ def _variant_flags(cfg, mode, x, meta, has_lora, dist_red) -> dict:
 def _gluon_mainloop(x, q, w_scale, h, B, slices, has_lora, gather, g, bias, lora_precision, use_pdl, out):
     """Many tokens (the trainer's steps, long prefills): the Gluon warp-specialized main loop, same bits.
     Returns its output, or None when it cannot take the call (dispatch records which ran)."""
-    why = _rs_unsupported(x, q, slices if has_lora else None, gather, g, lora_precision, use_pdl, out.dtype)
+    why = _rs_unsupported(x, q, slices if has_lora else None, gather, lora_precision, use_pdl, out.dtype)
     dispatch.record(f"{OP}.mainloop", "gluon_rs" if why is None else "triton")
     if why is not None:
         return None
     from .gemm_rs import lora_gemm_rs
     return lora_gemm_rs(x, q, w_scale, h=h if has_lora else None, B=slices[0] if has_lora else None,
-                        bias=bias, out=out)
+                        bias=bias, out=out, g=g if has_lora else None)
 
 
 def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAMeta | None = None, g=None,
