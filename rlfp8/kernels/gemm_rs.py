@@ -49,7 +49,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._triton_utils import cdiv, launch, next_pow2
+from ._triton_utils import cdiv, launch
+from .gemm_configs import RANK_CHUNK, RANK_CHUNK_FROM, block_r
 from .widen import E4M3X2_TO_BF16_PTX
 
 OP = "lora_gemm"
@@ -155,8 +156,11 @@ def _operand(q_ring, ready, i, a_layout: gl.constexpr, WG: gl.constexpr, TRANS_Q
     return _e4m3x2_to_bf16(w_tile.load(a_layout))
 
 
-RANK_CHUNK = 32        # above rank 64: gemm_configs.rank_chunk (K2's chunk width; the same k16 steps in order)
+# above RANK_CHUNK_FROM, K2's rank chunk (gemm_configs.rank_chunk): the same k16 steps in the same order; two
+# chunks side by side fill a ring slot's BK columns
+assert 2 * RANK_CHUNK == BK, (RANK_CHUNK, BK)
 _RANK_CHUNK = gl.constexpr(RANK_CHUNK)
+_RANK_CHUNK_FROM = gl.constexpr(RANK_CHUNK_FROM)
 
 
 @gluon.jit
@@ -272,7 +276,7 @@ def _mma(rings, bars, offs, out_args, lora_args, WG: gl.constexpr, TRANS_Q: gl.c
         # the accumulator stays live meanwhile), slot 2 rows WG*64:+64 <- this warpgroup's B tile [64, BR].
         # Both LoRA operands come from shared memory: a register-sourced B tile here makes ptxas serialize
         # every wgmma of the kernel (C7512, insufficient registers).
-        if BR <= 64:
+        if BR <= _RANK_CHUNK_FROM:
             HALF: gl.constexpr = BMc // 2
             PIECE: gl.constexpr = 32
             h_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[2, 16],
@@ -384,8 +388,8 @@ def launch_args(x: torch.Tensor, q: torch.Tensor, w_scale, h=None, B=None, bias=
             lora[0], lora[1], g[0] if has_g else out, M, N, K, *lora[2:], g.stride(1) if has_g else 0)
     kwargs = dict(TRANS_Q=trans, HAS_SCALE=w_scale is not None, HAS_LORA=h is not None, HAS_G=has_g,
                   HAS_BIAS=bias is not None,
-                  BR=max(16, next_pow2(r)), STAGES=STAGES, GROUP_M=GROUP_M,
-                  MMA_REGS=MMA_REGS if r <= 64 else MMA_REGS_CHUNKED, num_warps=4,
+                  BR=block_r(r), STAGES=STAGES, GROUP_M=GROUP_M,
+                  MMA_REGS=MMA_REGS if block_r(r) <= RANK_CHUNK_FROM else MMA_REGS_CHUNKED, num_warps=4,
                   maxnreg=LAUNCH_REGS)
     grid = (cdiv(M, BM) * (N // BN),)
     return _lora_gemm_rs_kernel, grid, args, kwargs

@@ -682,6 +682,8 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     if config is None:
         cfg = _fit_to_device(cfg, mode, slices[0].shape[2] if has_lora else 0, x.device)
     gather = (meta is not None and has_lora) if gather is None else (gather and meta is not None)
+    if has_lora:                        # both main loops run the epilogue in this chunk (gemm_rs: K2's chunks)
+        dispatch.record(f"{OP}.rank_chunk", str(rank_chunk(block_r(slices[0].shape[2]))))
     big_w8a16 = (mode == "w8a16" and config is None and m_bucket(M) == M_BUCKETS[-1]
                  and not dispatch.triton_interpreting())
     if big_w8a16 and invariant and schedule_of(cfg) != GLUON_SCHEDULE:
@@ -696,8 +698,6 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     part, cnt = _split_k_buffers(cfg, m_tiles, n_tiles, dist_red, out)
     dummy = out
     L, ends, b_ptrs, r, bst, hst = _lora_args(slices, has_lora, h, N, dummy)
-    if has_lora:
-        dispatch.record(f"{OP}.rank_chunk", str(rank_chunk(block_r(r))))
     slot_t = meta.token_lora_mapping if (has_lora and meta is not None) else dummy
     perm_t = meta.token_indices_sorted_by_lora_ids if gather else dummy
     w_arg, w_tma = _w_operand(q, cfg)
