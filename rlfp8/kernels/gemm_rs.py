@@ -308,7 +308,7 @@ def _mma(rings, bars, offs, out_args, lora_args, WG: gl.constexpr, TRANS_Q: gl.c
         if HAS_G:
             # DoRA: after the whole h·Bᵀ, before the bias, as K2's ALL_SLOT0 branch, and through a select as there
             # (so the compiler treats the multiply and the bias add alike in both kernels: identical bits). The
-            # token mask of K2's select is left out (tokens past M are not stored; 64 predicates per thread spill)
+            # token mask of K2's select is left out (tokens past M are not stored; its per-token predicates spilled)
             col_ok = rows < N
             gv = gl.load(g_ptr + rows * stride_gn, mask=col_ok, other=1.0)
             acc = gl.where(col_ok[:, None], acc * gv[:, None], acc)
