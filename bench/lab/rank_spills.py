@@ -12,8 +12,8 @@ large_rank_launch, which the sm_90a compile test also compiles at ranks 384 and 
   eng1 / engN   the engine's K2 with metadata at 256 tokens: one adapter (per-slot loop) / four (PIPE_SLOTS)
 `chunk`: ranks per K2 epilogue chunk / per K1 program (the whole BLOCK_R for dy_prep). Regs and the spill stack
 come from the cubin (cuobjdump -res-usage), spill stores/loads from `ptxas -v` on the same PTX, smem from the
-compiled kernel's metadata. The H200's K2 at r <= 64 may run the Gluon main loop
-instead (gemm_rs; the `path` column says which the dispatch would take); it is compiled here anyway.
+compiled kernel's metadata. The H200's K2 may run the Gluon main loop instead (gemm_rs, ranks <= 512, DoRA's g
+too; the `path` column says which the dispatch would take); the Triton K2 is compiled here anyway.
 
     python bench/lab/rank_spills.py                       # (from the repository root) table to stdout
     python bench/lab/rank_spills.py --ranks 384 --json /tmp/spills.json --roles fwd,dgrad

@@ -499,7 +499,7 @@ def _lora_dt(b_dtype):
     return tl.float16 if b_dtype == torch.float16 else tl.bfloat16
 
 
-def _rs_unsupported(x, q, slices, gather, g, lora_precision, use_pdl, out_dtype) -> str | None:
+def _rs_unsupported(x, q, slices, gather, lora_precision, use_pdl, out_dtype) -> str | None:
     """None when lora_gemm_rs can run this W8A16 call with K2's exact arithmetic, else the reason."""
     if not knobs().gemm_rs:
         return "kernel knob gemm_rs=false"
@@ -513,8 +513,7 @@ def _rs_unsupported(x, q, slices, gather, g, lora_precision, use_pdl, out_dtype)
         from . import gemm_rs
     except ImportError as e:                    # Triton without Gluon
         return f"gluon unavailable ({e})"
-    return gemm_rs.supported(x, q, None if slices is None else slices[0].shape[2], gather=bool(gather),
-                             has_g=g is not None)
+    return gemm_rs.supported(x, q, None if slices is None else slices[0].shape[2], gather=bool(gather))
 
 
 def _check_launch(x, mode, lora_precision, use_pdl, q):
@@ -658,13 +657,13 @@ def _variant_flags(cfg, mode, x, meta, has_lora, dist_red) -> dict:
 def _gluon_mainloop(x, q, w_scale, h, B, slices, has_lora, gather, g, bias, lora_precision, use_pdl, out):
     """Many tokens (the trainer's steps, long prefills): the Gluon warp-specialized main loop, same bits.
     Returns its output, or None when it cannot take the call (dispatch records which ran)."""
-    why = _rs_unsupported(x, q, slices if has_lora else None, gather, g, lora_precision, use_pdl, out.dtype)
+    why = _rs_unsupported(x, q, slices if has_lora else None, gather, lora_precision, use_pdl, out.dtype)
     dispatch.record(f"{OP}.mainloop", "gluon_rs" if why is None else "triton")
     if why is not None:
         return None
     from .gemm_rs import lora_gemm_rs
     return lora_gemm_rs(x, q, w_scale, h=h if has_lora else None, B=slices[0] if has_lora else None,
-                        bias=bias, out=out)
+                        bias=bias, out=out, g=g if has_lora else None)
 
 
 def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAMeta | None = None, g=None,
@@ -685,6 +684,8 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     if config is None:
         cfg = _fit_to_device(cfg, mode, slices[0].shape[2] if has_lora else 0, x.device)
     gather = (meta is not None and has_lora) if gather is None else (gather and meta is not None)
+    if has_lora:                        # both main loops run the epilogue in this chunk (gemm_rs: K2's chunks)
+        dispatch.record(f"{OP}.rank_chunk", str(rank_chunk(block_r(slices[0].shape[2]))))
     big_w8a16 = (mode == "w8a16" and config is None and m_bucket(M) == M_BUCKETS[-1]
                  and not dispatch.triton_interpreting())
     if big_w8a16 and invariant and schedule_of(cfg) != GLUON_SCHEDULE:
@@ -699,8 +700,6 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     part, cnt = _split_k_buffers(cfg, m_tiles, n_tiles, dist_red, out)
     dummy = out
     L, ends, b_ptrs, r, bst, hst = _lora_args(slices, has_lora, h, N, dummy)
-    if has_lora:
-        dispatch.record(f"{OP}.rank_chunk", str(rank_chunk(block_r(r))))
     slot_t = meta.token_lora_mapping if (has_lora and meta is not None) else dummy
     perm_t = meta.token_indices_sorted_by_lora_ids if gather else dummy
     w_arg, w_tma = _w_operand(q, cfg)

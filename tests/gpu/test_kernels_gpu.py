@@ -5,7 +5,7 @@ IEEE amax/448 and to vLLM's dynamic_per_token_scaled_fp8_quant; the matched prop
 trainer forward bit-identical on the same rows); the two W8A16 widenings, the two multi-adapter epilogue
 variants and the two split-K reductions (distributed over the tile's programs, or by its last program; also
 in CUDA-graph replays with PDL) bit-identical; the Gluon main loop (gemm_rs, > 512 tokens without metadata) bit-identical to
-the Triton kernel for the forward and dx GEMMs; the training linear's forward and backward against
+the Triton kernel for the forward (with DoRA's g; ranks up to 512 in rank chunks) and dx GEMMs; the training linear's forward and backward against
 LoRALinearRef, with allocation sizes showing that no weight is copied.
 
 All kernels the cases need are compiled up front in parallel (rlfp8.kernels._triton_utils.precompile), so
@@ -591,8 +591,12 @@ def test_dispatch_auto_picks_triton_on_cuda():
 
 
 # ------------------------------------------------------------------------------ the Gluon main loop (lora_gemm_rs)
-RS_CASES = [("qkv", 1000, 64, True), ("o", 4096, 16, False), ("gate_up", 2048, 64, False), ("down", 1000, 32, True),
-            ("o", 600, 0, True)]
+# (shape, M, forward rank, bias, DoRA g, dx rank): above rank 64 the epilogue runs K2's rank chunks of 32 (96 and
+# 200: a last chunk past the rank, an odd chunk count), DoRA's g after the LoRA sum (with and without bias)
+RS_CASES = [("qkv", 1000, 64, True, False, 64), ("o", 4096, 16, False, False, 64),
+            ("gate_up", 2048, 64, False, False, 64), ("down", 1000, 32, True, False, 64), ("o", 600, 0, True, False, 64),
+            ("o", 4096, 384, False, True, 384), ("o", 1000, 64, False, True, 128), ("qkv", 1000, 128, True, True, 96),
+            ("gate_up", 2048, 512, False, False, 512), ("down", 1000, 200, True, True, 384)]
 
 
 @pytest.fixture
@@ -604,12 +608,13 @@ def tuned_configs():
     restore_knobs(saved)
 
 
-@pytest.mark.parametrize("shape,M,r,bias", RS_CASES, ids=[f"{c[0]}-M{c[1]}-r{c[2]}" for c in RS_CASES])
-def test_gluon_rs_bits_equal_triton_kernel(shape, M, r, bias, tuned_configs):
+@pytest.mark.parametrize("shape,M,r,bias,dora,r_dx", RS_CASES,
+                         ids=[f"{c[0]}-M{c[1]}-r{c[2]}{'-g' if c[4] else ''}-dx{c[5]}" for c in RS_CASES])
+def test_gluon_rs_bits_equal_triton_kernel(shape, M, r, bias, dora, r_dx, tuned_configs):
     """Above 512 tokens, W8A16 calls without metadata (the trainer's forward and dx GEMMs, long prefills) run
     lora_gemm_rs; its output must be bit-identical to the Triton kernel's (same MMAs in the same order, same
-    epilogue) for the forward (scale, LoRA, bias) and for the dx GEMM (transposed codes, LoRA, no scale), and
-    close to the fp64 reference. Tails: M not a multiple of 256, ranks below 64."""
+    epilogue) for the forward (scale, LoRA, DoRA's g, bias) and for the dx GEMM (transposed codes, LoRA, no
+    scale), and close to the fp64 reference. Tails: M not a multiple of 256, ranks below 64 and between chunks."""
     K, widths, q, sw = _weights(shape, seed=11)
     N = sum(widths)
     g = torch.Generator(device=DEV).manual_seed(12)
@@ -619,9 +624,11 @@ def test_gluon_rs_bits_equal_triton_kernel(shape, M, r, bias, tuned_configs):
     if r:
         fwd.update(h=torch.randn(1, M, r, device=DEV, generator=g),
                    B=(torch.randn(1, N, r, device=DEV, generator=g) * 0.02).to(torch.bfloat16))
+    if dora:
+        fwd.update(g=0.75 + 0.5 * torch.rand(1, N, device=DEV, generator=g))
     gy = torch.randn(M, N, device=DEV, dtype=torch.bfloat16, generator=g)
-    dx_kw = dict(h=torch.randn(1, M, 64, device=DEV, generator=g),
-                 B=(torch.randn(64, K, device=DEV, generator=g) * 0.02).to(torch.bfloat16).t()[None])
+    dx_kw = dict(h=torch.randn(1, M, r_dx, device=DEV, generator=g),
+                 B=(torch.randn(r_dx, K, device=DEV, generator=g) * 0.02).to(torch.bfloat16).t()[None])
     dispatch.reset_report()
     y = lora_gemm_triton(x, q, sw, **fwd)
     dx = lora_gemm_triton(gy, q.t(), None, **dx_kw)
@@ -632,7 +639,7 @@ def test_gluon_rs_bits_equal_triton_kernel(shape, M, r, bias, tuned_configs):
     dx_k2 = lora_gemm_triton(gy, q.t(), None, config=gemm_config("w8a16", M, K, N, DEV, transposed=True), **dx_kw)
     e_y = rel_err(y, lora_gemm_ref(x, q, sw, out_dtype=torch.float32, **fwd))
     e_dx = rel_err(dx, lora_gemm_ref(gy, q.t(), None, out_dtype=torch.float32, **dx_kw))
-    print(f"  {shape} M={M} r={r}: rel err fwd {e_y:.1e}, dx {e_dx:.1e}; bits equal to the Triton kernel: "
+    print(f"  {shape} M={M} r={r} g={dora} r_dx={r_dx}: rel err fwd {e_y:.1e}, dx {e_dx:.1e}; bits equal to K2: "
           f"fwd {torch.equal(y, y_k2)}, dx {torch.equal(dx, dx_k2)}")
     assert e_y < 1e-2 and e_dx < 1e-2
     assert torch.equal(y, y_k2), f"fwd max |diff| {(y.float() - y_k2.float()).abs().max().item()}"

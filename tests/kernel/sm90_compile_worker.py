@@ -226,7 +226,7 @@ def large_rank_launch(role: str, N: int, K: int, r: int, M: int = 4096) -> str:
         cfg, path = h200_w8a16_config(M, N, K, r)
         lora_gemm_triton(_e(M, K), q, sw, h=torch.empty(1, M, r), B=_e(1, N, r),
                          g=torch.empty(1, N) if role == "fwd_g" else None, config=cfg)
-        return "triton" if role == "fwd_g" else path
+        return path
     if role == "dgrad":                  # the GEMM runs over N: x = gy [M, N], weight qᵀ [K, N]
         cfg, path = h200_w8a16_config(M, K, N, r, transposed=True)
         lora_gemm_triton(_e(M, N), q.t(), None, h=torch.empty(1, M, r), B=_e(r, K).t()[None], config=cfg)
@@ -250,19 +250,28 @@ def _large_rank_launches() -> None:
             large_rank_launch(role, 8192, 8192, r)
 
 
+GLUON_FWD_VARIANTS = ((64, False, False), (16, True, False), (64, False, True), (96, False, False),
+                      (384, True, True), (512, False, False))       # (rank, bias, DoRA g) of the forward
+GLUON_DX_RANKS = (64, 128, 384)
+
+
 def _gluon_launches() -> list:
     """The Gluon main loop K2 dispatches to at many tokens (gemm_rs: bf16 x, no metadata), its launch arguments:
-    the trainer's forward (with LoRA, with and without bias, ranks 64 and 16), the dx GEMM, the base GEMM."""
+    the trainer's forward (LoRA ranks 16/64 in one piece, 96/384/512 in rank chunks; with bias; with DoRA's g),
+    the dx GEMM (ranks 64, 128, 384), the base GEMM. The second shape only for the rank <= 64 variants."""
     rec = []
     from rlfp8.kernels import gemm_rs
     T = 8192
     for K, N in ((4096, 6144), (12288, 4096)):
         q, sw = _e(N, K, dtype=FP8), torch.empty(N)
-        for r, bias in ((64, False), (16, True)):
-            rec.append(gemm_rs.launch_args(_e(T, K), q, sw, torch.empty(1, T, r), _e(1, N, r),
-                                           _e(N) if bias else None, _e(T, N)))
-        rec.append(gemm_rs.launch_args(_e(T, N), q.t(), None, torch.empty(1, T, 64), _e(64, K).t()[None],
-                                       None, _e(T, K)))
+        first = not rec
+        for r, bias, g in GLUON_FWD_VARIANTS:
+            if first or (r <= 64 and not g):
+                rec.append(gemm_rs.launch_args(_e(T, K), q, sw, torch.empty(1, T, r), _e(1, N, r),
+                                               _e(N) if bias else None, _e(T, N), torch.empty(1, N) if g else None))
+        for r in GLUON_DX_RANKS if first else GLUON_DX_RANKS[:1]:
+            rec.append(gemm_rs.launch_args(_e(T, N), q.t(), None, torch.empty(1, T, r), _e(r, K).t()[None],
+                                           None, _e(T, K)))
         rec.append(gemm_rs.launch_args(_e(T, K), q, sw, out=_e(T, N)))
     return rec
 
@@ -342,8 +351,10 @@ def _ptxas_facts(ptx: str, idx: int) -> dict:
         sass = subprocess.run([_cuda_tool("cuobjdump"), "-sass", os.path.join(d, "k.cubin")], capture_output=True,
                               text=True).stdout
     text = log.stdout + log.stderr
+    smem_a = [ln for ln in ptx.splitlines() if "wgmma.mma_async" in ln and re.search(r"\}, %rd\d+, %rd\d+", ln)]
     return dict(wgmma_serialized=sorted(set(re.findall(r"C751\d", text))),
-                wgmma_wait_depths=sorted(set(int(v, 16) for v in re.findall(r"DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass))))
+                wgmma_wait_depths=sorted(set(int(v, 16) for v in re.findall(r"DEPBAR\.LE gsb0, (0x[0-9a-f]+)", sass))),
+                wgmma_smem_a=len(smem_a))
 
 
 def _check(item):

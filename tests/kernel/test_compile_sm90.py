@@ -176,14 +176,24 @@ def test_w8a16_register_a_loops_retire_wgmmas_before_the_next_widening(compiled)
 
 def test_gluon_main_loop_pipelined_without_spills(compiled):
     """lora_gemm_rs (Gluon, warp-specialized, register-A wgmma): every variant the dispatch can pick (forward
-    with LoRA ranks 16/64 and bias, dx GEMM on the transposed codes, base GEMM) compiles for sm_90a with TMA
-    loads, no register spills, no ptxas "wgmma serialized" warning (C751x: the register-set alternation and
-    the peeled first steps are what avoid them) and a main loop that keeps one wgmma group in flight."""
+    with LoRA ranks 16/64 in one piece and 96/384/512 in rank chunks, with bias, with DoRA's g; dx GEMM on the
+    transposed codes, also in rank chunks; base GEMM) compiles for sm_90a with TMA loads, no register spills,
+    no ptxas "wgmma serialized" warning (C751x: the register-set alternation and the peeled first steps are
+    what avoid them) and a main loop that keeps one wgmma group in flight."""
     rs = [r for r in compiled if r["name"] == "_lora_gemm_rs_kernel"]
-    assert len(rs) >= 4, [r["constexprs"] for r in rs]
+    assert len(rs) >= 9, [r["constexprs"] for r in rs]
     assert {r["constexprs"]["TRANS_Q"] for r in rs} == {True, False}
-    assert {r["constexprs"]["BR"] for r in rs if r["constexprs"]["HAS_LORA"]} >= {16, 64}
+    lora = [r["constexprs"] for r in rs if r["constexprs"]["HAS_LORA"]]
+    assert {c["BR"] for c in lora} >= {16, 64, 128, 512}
+    assert {c["BR"] for c in lora if c["TRANS_Q"]} >= {64, 128, 512}
+    assert {c["BR"] for c in lora if c["HAS_G"]} >= {64, 512} and not any(c["HAS_G"] and c["TRANS_Q"] for c in lora)
     assert any(not r["constexprs"]["HAS_LORA"] for r in rs) and any(r["constexprs"]["HAS_BIAS"] for r in rs)
+    # the LoRA epilogue's shared-memory wgmmas (two MMA partitions, k16 each): hi and lo over BR in one piece, or
+    # one unrolled pair of rank chunks of 32 (gemm_rs._lora_rank_chunks), hi and lo each
+    for r in rs:
+        c = r["constexprs"]
+        want = 0 if not c["HAS_LORA"] else 2 * 2 * (c["BR"] // 16 if c["BR"] <= 64 else 2 * 32 // 16)
+        assert r["wgmma_smem_a"] == want, (r["wgmma_smem_a"], want, c)
     for r in rs:
         assert r["ok"] and r["tma"] and r["wgmma_reg_a"], r
         assert r.get("stack", 0) == 0, f"spills: {r}"
