@@ -216,8 +216,9 @@ round_dora)  # one call: the DoRA and Gluon-main-loop GPU tests (bit-identical t
         > "$OUT/gpu_dora_tests.log" 2>&1; echo "dora / gluon tests rc=$?"; tail -15 "$OUT/gpu_dora_tests.log"
     timeout 180 $PY bench/dora.py --ranks ${DORA_RANKS:-64 384 512} --rounds 10 --out "$OUT/r/dora_h200.json" \
         > "$OUT/dora.log" 2>&1; echo "dora rc=$?"; tail -8 "$OUT/dora.log"
-    timeout 120 $PY bench/lab/linear_profile.py --shape 8192x8192 --ranks 64,384 --out "$OUT/r/linear_profile_h200.json" \
-        > "$OUT/linear_profile.log" 2>&1; echo "linear_profile rc=$?"; grep -E "ms$|^r=" "$OUT/linear_profile.log" | head -20
+    timeout 120 $PY bench/lab/linear_profile.py --shape 8192x8192 --ranks 64,384 --batch-invariant auto \
+        --out "$OUT/r/linear_profile_h200.json" > "$OUT/linear_profile.log" 2>&1       # auto: as bench/dora.py and the trainer
+    echo "linear_profile rc=$?"; grep -E "ms$|^r=" "$OUT/linear_profile.log" | head -20
     ;;
 *)
     echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn|trace|diagnose|study|final_a|final_b|round_kernels|round_engine|placements_32b|placements_8b|round_study|round_checks|round_timing|round_dora [--run NAME:overrides ...]"; exit 2 ;;
