@@ -56,7 +56,7 @@ COMMON = ["engine.kv_cache_memory_gb=4", "engine.enforce_eager=true", "engine.re
 # makes any arm "within the spread"). SmolLM2-135M answers 18% of 100 held-out prompts greedily before
 # training; on this CPU (float32) it reached 60% at step 5 and 66% at step 15 (bench/README.md).
 # 400 held-out prompts: the H200 study of 2026-12-01 (100 prompts, 3 seeds) had a seed-to-seed spread of 6.6
-# points at step 20, of which the eval's own binomial noise at 100 prompts (~4.5 points) was the larger part.
+# points at step 20: ~4.5 of it (in quadrature) the eval's binomial noise at 100 prompts, ~4.8 RL's own.
 TASK = ["data.digits=2", "data.eval_size=400", "steps=20"]
 MARGIN_POINTS = 5.0
 MIN_GAIN_POINTS, SATURATED = 20.0, 0.95       # the task: bf16 gains >= 20 points and ends below 95% (task_check)
