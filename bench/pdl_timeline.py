@@ -51,6 +51,10 @@ MODES = ("w8a8", "w8a16")
 RANK = 64
 ARMS = ("base", "stream", "pdl")
 W8A8_ARMS = ARMS + ("pdl_fused",)
+
+
+def arms_of(mode: str) -> tuple:
+    return W8A8_ARMS if mode == "w8a8" else ARMS
 ACCEPT_RATIO, ACCEPT_EXPOSED_US = 1.06, 2.0          # issue 15: layer <= 1.06x no-adapter, <= 2 us exposed
 T0 = time.time()
 
@@ -112,9 +116,8 @@ def precompile(probs, jobs, arms=W8A8_ARMS, initializer=None, initargs=()):
     with tu.collect_launches() as rec:
         for mode in MODES:
             for M in MS:
-                for arm in arms:
-                    if arm in ARMS or mode == "w8a8":
-                        arm_fn(probs, list(SHAPES), M, mode, arm)()
+                for arm in (a for a in arms if a in arms_of(mode)):
+                    arm_fn(probs, list(SHAPES), M, mode, arm)()
     info = tu.precompile(rec, jobs=jobs, initializer=initializer, initargs=initargs)
     log(f"precompiled {info['kernels']} kernels in {info['seconds']} s, errors: {info['errors']}")
     return info
@@ -131,8 +134,8 @@ def time_arms(probs, reps):
         for M in MS:
             for proj in list(SHAPES) + ["layer"]:
                 projs = list(SHAPES) if proj == "layer" else [proj]
-                arms = W8A8_ARMS if mode == "w8a8" else ARMS
-                base, stream, pdl, *fused = timer.paired_us([arm_fn(probs, projs, M, mode, a) for a in arms])
+                base, stream, pdl, *fused = timer.paired_us([arm_fn(probs, projs, M, mode, a)
+                                                             for a in arms_of(mode)])
                 row = dict(proj=proj, M=M, mode=mode, base_us=round(base, 2), stream_us=round(stream, 2),
                            pdl_us=round(pdl, 2), pdl_over_base=round(pdl / base, 4),
                            overhead_ratio=round((pdl - base) / (stream - base), 3) if stream > base else None)

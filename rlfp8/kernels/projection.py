@@ -33,13 +33,15 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
     h = None
     x_in, x_scale = x, None
     use_pdl = _use_pdl(x, q, A, meta)
-    # W8A8 under PDL with x quantized apart (knob pdl_w8a8_quant): K2's main loop then needs nothing of K1's, and
-    # waits for it only before the epilogue reads h; the quantizer runs first, in stream order (the same codes)
-    quant_apart = quant is not None and use_pdl and knobs().pdl_w8a8_quant == "separate"
-    if quant_apart:
+    # K1 quantizes x beside its shrink, except under PDL with pdl_w8a8_quant=separate: then the quantizer runs
+    # first, in stream order (the same codes), and K2's main loop needs nothing of K1's (it waits only before the
+    # epilogue reads h); without an adapter there is no K1
+    quant_in_k1 = (quant is not None and A is not None
+                   and not (use_pdl and knobs().pdl_w8a8_quant == "separate"))
+    if quant is not None and not quant_in_k1:
         x_in, x_scale = quantize_activation(x, quant)
     if use_pdl:
-        dispatch.record("lora_gemm.pdl_wait", "main_loop" if quant is not None and not quant_apart else "epilogue")
+        dispatch.record("lora_gemm.pdl_wait", "main_loop" if quant_in_k1 else "epilogue")
     if A is not None:
         if shrink_out is None:
             L = len(A) if isinstance(A, (list, tuple)) else 1
@@ -47,14 +49,12 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
             shrink_out = torch.empty((L, x.shape[0], r), dtype=torch.float32, device=x.device)
         # `so` stays referenced until K2 is enqueued: with PDL, K2 runs beside K1, so K1's split-K workspace
         # must not go back to the allocator (and become K2's buffers) before then
-        so: ShrinkOut = lora_shrink(x, A, meta, quant=None if quant_apart else quant, out=shrink_out,
+        so: ShrinkOut = lora_shrink(x, A, meta, quant=quant if quant_in_k1 else None, out=shrink_out,
                                     use_pdl=use_pdl)
         h = so.h
-        if quant is not None and not quant_apart:
+        if quant_in_k1:
             x_in, x_scale = so.x_q, so.x_scale
-    elif quant is not None:
-        x_in, x_scale = quantize_activation(x, quant)
-    gemm_kw = {"x_from_primary": not quant_apart} if use_pdl else {}
+    gemm_kw = {"x_from_primary": quant_in_k1} if use_pdl else {}
     y = lora_gemm(x_in, q, w_scale, x_scale=x_scale, h=h, B=B, meta=meta, g=g, bias=bias, use_pdl=use_pdl,
                   out_dtype=out_dtype or (x.dtype if x.dtype != torch.float32 else torch.bfloat16), **gemm_kw)
     return y

@@ -125,8 +125,8 @@ class RolloutEngine:
             adapter_slots.write_slot(self._manager(), ADAPTER_ID, update)
             # the cached prompt KV was computed with the previous adapter, and vLLM's block hashes cannot see an
             # in-place write (same LoRA id): without this, a repeated prompt (every held-out eval) reads stale KV
-            if self.enable_prefix_caching and not self.llm.reset_prefix_cache():
-                raise RuntimeError("set_adapter: vLLM refused to reset the prefix cache (requests still running)")
+            if self.enable_prefix_caching:
+                self._reset_prefix_cache("set_adapter")
         self.version = int(update["version"])
         return self.version
 
@@ -262,6 +262,10 @@ class RolloutEngine:
                 start += width
         return out
 
+    def _reset_prefix_cache(self, what: str) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError(f"{what}: vLLM refused to reset the prefix cache (requests still running)")
+
     def _require_kv(self, what: str) -> None:
         """vLLM with its KV pages unmapped fails deep inside a kernel ("Pointer argument cannot be accessed from
         Triton"): say what happened instead."""
@@ -277,8 +281,7 @@ class RolloutEngine:
         import torch
         if not self.kv_release:
             raise RuntimeError("release_kv: this engine was started without engine.release_kv (sleep mode)")
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("release_kv: vLLM refused to reset the prefix cache (requests still running)")
+        self._reset_prefix_cache("release_kv")
         from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
         torch.cuda.synchronize()
         before = torch.cuda.mem_get_info()[0]
