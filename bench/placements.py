@@ -10,8 +10,12 @@ Configurations (CONFIGS below, the one place they are defined):
   e  FlashRL: vLLM's FP8 engine (w8a8_vllm), bf16 trainer, TIS, offloaded (the placement that fits)
 Every run is one `rlfp8-train recipe=qwen3_8b_math` process on model.path=random:<shape> (real shape, random
 weights: timing and memory only), COMMON overrides for all: 3-digit arithmetic prompts (data.seed fixed: the same
-prompts everywhere), 8 prompts x 8 samples, rollouts capped at --response-len, eager engines (no compile or graph
-capture at start), no eval, parity probe off, one_copy's base checksum only at set-up (sync times compare).
+prompts everywhere), 8 prompts x 8 samples, rollouts capped at --response-len, no eval, parity probe off,
+one_copy's base checksum only at set-up (sync times compare). Engines: --engine-mode (ENGINE_MODES), by default
+decode steps as full CUDA graphs without torch.compile (engine.compile=false: starts in seconds). Why not eager:
+an eager decode step at <= 64 sequences is host-bound (the H200's 8B table in eager mode: 39 ms per decode step
+for vLLM's bf16 engine, 65 / 115 ms for ours without / with the adapter, for ~5 ms of GPU work), so an eager
+table compares Python per kernel launch, not placements; real runs replay graphs.
 
 KV cache sizing (the same rule for every configuration): each engine gets, as engine.kv_cache_memory_gb, what is
 left of USABLE_FRACTION x the device's memory after what its placement keeps resident while the KV cache is
@@ -76,8 +80,10 @@ CONFIGS: dict[str, dict] = {
 SHAPE_CONFIGS = {"qwen3_8b": "a,b,c,d,e", "qwen3_32b": "a,b,d"}      # the issue's: all at 8B; a, b, d at 32B
 COMMON = ["recipe=qwen3_8b_math", "data=arithmetic", "data.digits=3", "data.seed=0", "data.eval_size=0",
           "data.prompts_per_step=8", "algo.group_size=8", "engine.max_num_seqs=64", "model.dtype=bfloat16",
-          "engine.enforce_eager=true", "engine.parity_probe.every=0", "eval_every=0", "save_every=0",
-          "logger.wandb.mode=disabled"]
+          "engine.parity_probe.every=0", "eval_every=0", "save_every=0", "logger.wandb.mode=disabled"]
+ENGINE_MODES = {"decode_graphs": ["engine.enforce_eager=false", "engine.compile=false"],   # the default
+                "compiled": ["engine.enforce_eager=false", "engine.compile=true"],         # + minutes per engine start
+                "eager": ["engine.enforce_eager=true"]}
 PROMPT_TOKENS = 512                 # engine.max_model_len = this + the response cap (the recipe's max_prompt_tokens)
 USABLE_FRACTION = 0.9               # vLLM's default gpu_memory_utilization
 ENGINE_RUNTIME_GIB = 2.0            # the engine's activations (prefill chunk, sampler), outside the KV budget
@@ -95,13 +101,17 @@ ACCEPTANCE = {"shape": "qwen3_32b", "response_len": 4096, "ours": "a", "baseline
 # (bench/results/step_profile_qwen3_8b_one_copy_w8a16.json, gpu_logs_h200/*.log), assumed where not (marked).
 TIME_MODEL = {
     "process_s": 15.0,            # interpreter, imports, local Ray instance (assumed)
-    "engine_start_s": 25.0,       # vLLM eager start: 7-20 s at SmolLM2 (diagnose_smollm2.log) + the profile run
+    "engine_start_s": 25.0,       # vLLM eager start: 7.5-14 s at 8B ("engine ready", the 8B table) + the profile run
     "engine_s_per_gib": 1.0,      # dummy weights + FP8 quantization (assumed)
     "trainer_start_s": 12.5,      # "trainer ready in 12.5s" (8B, one_copy)
     "pin_gib_per_s": 5.0,         # offloaded: pinning its host copy at set-up (assumed)
     "move_gib_per_s": 20.0,       # offloaded: pinned host <-> device, per direction (assumed; PCIe 5 x16)
-    "decode_ms_fixed": 4.0,       # eager decode step at <= 64 sequences: host-bound, per step ... (assumed; the
-    "decode_ms_per_layer": 0.33,  # ... profile's CUDA graphs took 7.6 ms at 8B), plus per decoder layer
+    # a decode step at <= 64 sequences, per step + per decoder layer, by --engine-mode: eager is host-bound (the
+    # 8B table's slowest, ours with the adapter: 115 ms = 4 + 36 x 3.1); with graphs (assumed: the 8B profile's
+    # graphs took 7.6 ms per step, at batch 1)
+    "decode_ms_fixed": {"eager": 4.0, "decode_graphs": 2.0, "compiled": 2.0},
+    "decode_ms_per_layer": {"eager": 3.1, "decode_graphs": 0.25, "compiled": 0.25},
+    "graph_capture_s": {"eager": 0.0, "decode_graphs": 20.0, "compiled": 150.0},   # per engine start (assumed)
     "train_tokens_per_s_8b": 6750.0,   # train/tokens_per_s, steps 2-3 of the 8B profile; scaled by 1 / parameters
     "sync_s_per_gib": 3.0,        # adapter export + transfer + slot write per GiB of fp32 adapter (upper)
     "engine_compile_s": 20.0,     # step 1 - step 2 of the 8B profile = 35 s (Triton compilation, first calls), split
@@ -126,6 +136,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device-gib", type=float, help="device memory for the plan (default: nvidia-smi's, else H200)")
     ap.add_argument("--host-gib", type=float, help="host memory for the plan (default: this host's with a GPU, "
                                                    "else the lent H200 host's)")
+    ap.add_argument("--engine-mode", default="decode_graphs", choices=list(ENGINE_MODES),
+                    help="decode_graphs: full CUDA graphs of decode steps, no torch.compile (default); compiled: "
+                         "vLLM's default (torch.compile + graphs, minutes per start); eager: no graphs (host-bound)")
     ap.add_argument("--runs-root", default="runs/bench-placements")
     ap.add_argument("--extra", default="", help="comma-separated overrides added to every run (last: they win)")
     ap.add_argument("--dry-run", action="store_true", help="print the plans, commands and estimates; run nothing")
@@ -144,7 +157,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def overrides(args: argparse.Namespace, name: str, run_dir: Path | None, kv_gib: float | None,
               steps: int | None = None) -> list[str]:
     """rlfp8-train overrides of configuration `name`: COMMON, the configuration's, the run's sizes, --extra."""
-    out = [*COMMON, *CONFIGS[name]["overrides"], f"model.path=random:{args.shape}", f"steps={steps or args.steps}",
+    out = [*COMMON, *ENGINE_MODES[args.engine_mode], *CONFIGS[name]["overrides"], f"model.path=random:{args.shape}",
+           f"steps={steps or args.steps}",
            f"algo.max_response_len={args.response_len}", f"engine.max_model_len={args.response_len + PROMPT_TOKENS}",
            f"engine.gpu_memory_utilization={USABLE_FRACTION}"]
     if kv_gib is not None:
@@ -222,15 +236,22 @@ def estimate_wall_s(cfg: dict, arch: dict, plan: dict, compile_s: float) -> dict
     response = int(cfg["algo"]["max_response_len"])
     samples = int(cfg["data"]["prompts_per_step"]) * int(cfg["algo"]["group_size"])
     waves = max(1.0, plan["kv_needed_gib"] / max(plan["kv_budget_gib"], 1e-9))    # host-bound: fewer at once
-    rollout = response * (m["decode_ms_fixed"] + m["decode_ms_per_layer"] * layers) / 1e3 * waves
+    mode = engine_mode(cfg)
+    rollout = response * (m["decode_ms_fixed"][mode] + m["decode_ms_per_layer"][mode] * layers) / 1e3 * waves
     train = samples * (response + 40) / (m["train_tokens_per_s_8b"] * PARAMS_8B / _parameters(arch))
     sync = plan["train_parts_gib"]["trainer_optimizer"] / 4 * m["sync_s_per_gib"]
     moves = 2 * plan["host_pinned_gib"] / m["move_gib_per_s"]
     start = (m["process_s"] + m["engine_start_s"] + plan["rollout_parts_gib"]["engine_weights"] * m["engine_s_per_gib"]
-             + m["trainer_start_s"] + plan["host_pinned_gib"] / m["pin_gib_per_s"])
+             + m["graph_capture_s"][mode] + m["trainer_start_s"] + plan["host_pinned_gib"] / m["pin_gib_per_s"])
     return {"start_s": start, "rollout_s": rollout, "train_s": train, "sync_s": sync, "moves_s": moves,
             "step_s": rollout + train + sync + moves, "compile_s": compile_s,
             "end_s": plan["train_parts_gib"]["trainer_optimizer"] / m["checkpoint_gib_per_s"]}
+
+
+def engine_mode(cfg: dict) -> str:
+    """The ENGINE_MODES name of a resolved config (what the run will do, whatever --extra overrode)."""
+    e = cfg["engine"]
+    return "eager" if e["enforce_eager"] is True else "compiled" if e["compile"] else "decode_graphs"
 
 
 def run_s(est: dict[str, float], steps: int) -> float:

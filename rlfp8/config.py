@@ -45,6 +45,7 @@ def choices() -> dict[str, tuple]:
         "engine.precision": PRECISIONS,
         "engine.release_kv": ("auto", True, False),
         "engine.enforce_eager": ("auto", True, False),
+        "engine.compile": (True, False),
         "engine.parity_probe.overlap": ("auto", True, False),
         "trainer.weights": WEIGHT_MODES,
         "trainer.kernels": BACKENDS,

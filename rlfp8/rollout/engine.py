@@ -49,6 +49,25 @@ def eager_mode(ecfg: dict) -> bool:
     return compat.on_cpu_build() if value == "auto" else bool(value)
 
 
+def compilation_config(ecfg: dict) -> dict | None:
+    """vLLM's compilation_config for engine.compile: None (vLLM's default: torch.compile, then full CUDA graphs
+    for decode batches and piecewise ones for the rest) unless CUDA graphs are on and engine.compile=false; then
+    no torch.compile and full CUDA graphs of decode-only batches (FULL_DECODE_ONLY): the engine starts in
+    seconds, decode steps replay graphs (no per-kernel host cost), prefills run eagerly."""
+    if eager_mode(ecfg) or bool(ecfg["compile"]):
+        return None
+    return {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+
+
+def graph_mode(llm) -> str:
+    """The CUDA-graph mode vLLM resolved (it may lower the one asked for where a backend cannot capture)."""
+    try:
+        cc = llm.llm_engine.vllm_config.compilation_config
+        return f"{getattr(cc.cudagraph_mode, 'name', cc.cudagraph_mode)} (compile mode {getattr(cc.mode, 'name', cc.mode)})"
+    except AttributeError:
+        return "unknown"
+
+
 def prompt_seed(seed: int, index: int) -> int:
     """A 62-bit seed per (call seed, prompt index): a hash, so neighbouring prompts' streams (vLLM
     uses seed + sample index) never overlap in practice."""
@@ -84,6 +103,8 @@ class RolloutEngine:
         )
         if quant:
             kwargs["quantization"] = quant
+        if (compilation := compilation_config(ecfg)) is not None:
+            kwargs["compilation_config"] = compilation
         from rlfp8.models import is_random
         self.random_weights = is_random(mcfg["path"])
         if self.random_weights:
@@ -106,8 +127,9 @@ class RolloutEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.lora = None                # the LoRARequest served, once an adapter was set
         self.version = 0
-        log.info("engine ready in %.1fs (vLLM %s, precision %s, quantization %s)", time.time() - t0,
-                 compat.vllm_version(), self.precision, quant)
+        self.graph_mode = "eager" if kwargs["enforce_eager"] else graph_mode(self.llm)
+        log.info("engine ready in %.1fs (vLLM %s, precision %s, quantization %s, CUDA graphs %s)", time.time() - t0,
+                 compat.vllm_version(), self.precision, quant, self.graph_mode)
 
     # ------------------------------------------------------------------ adapters
     def _manager(self):

@@ -95,17 +95,18 @@ def _tiny(tmp_path):
     return make_tiny_qwen3(tmp_path / "tiny", seed=1)
 
 
-def _cfg(precision, eager=True):
+def _cfg(precision, eager=True, compile_=True):
     from rlfp8.config import compose_dict
     return compose_dict(["model=tiny", "model.dtype=bfloat16", "adapter.rank=8", "adapter.alpha=16",
                          "trainer.lr=1e-3", "trainer.micro_batch_tokens=4096", "trainer.device=cuda",
                          f"engine.precision={precision}", "engine.max_model_len=256", "engine.max_num_seqs=16",
-                         f"engine.enforce_eager={eager}", "engine.gpu_memory_utilization=0.2",
+                         f"engine.enforce_eager={eager}", f"engine.compile={compile_}", "engine.gpu_memory_utilization=0.2",
                          "engine.kv_cache_memory_gb=2", "algo.temperature=1.0"])
 
 
-@pytest.mark.parametrize("eager", [True, False], ids=["eager", "cuda_graphs"])
-def test_vllm_engine_with_plugin_on_gpu(tmp_path, eager):
+@pytest.mark.parametrize("eager, compile_", [(True, True), (False, True), (False, False)],
+                         ids=["eager", "cuda_graphs", "decode_graphs_no_compile"])
+def test_vllm_engine_with_plugin_on_gpu(tmp_path, eager, compile_):
     """vLLM 0.26 with quantization="rlfp8": our kernels ran (dispatch), the in-place slot update reaches the
     next generate, and the engine's log-probs sit as close to the FP8 trainer's as a bf16 pair's do."""
     from rlfp8.kernels import dispatch
@@ -119,7 +120,9 @@ def test_vllm_engine_with_plugin_on_gpu(tmp_path, eager):
             if p.shape[-1] == 8:
                 p.normal_(0, 0.3)
     dispatch.reset_report()
-    engine = RolloutEngine(str(folder), _cfg("w8a16", eager))
+    engine = RolloutEngine(str(folder), _cfg("w8a16", eager, compile_))
+    if not compile_:        # engine.compile=false: vLLM must keep the decode graphs it was asked for
+        assert engine.graph_mode.startswith("FULL_DECODE_ONLY"), engine.graph_mode
     update = trainer.export_adapter()
     engine.set_adapter(update)
     assert engine.slot_checksums() == expected_checksums(update, torch.bfloat16)

@@ -37,7 +37,8 @@ def test_every_configuration_composes_with_what_it_names(tmp_path):
         assert got == want[n], n
         assert cfg["model"]["path"] == "random:qwen3_8b" and cfg["engine"]["kv_cache_memory_gb"] == 50.0
         assert cfg["engine"]["max_model_len"] == 1024 + bench.PROMPT_TOKENS and cfg["steps"] == 2
-        assert cfg["engine"]["enforce_eager"] is True and cfg["engine"]["parity_probe"]["every"] == 0
+        assert cfg["engine"]["enforce_eager"] is False and cfg["engine"]["compile"] is False     # decode graphs
+        assert bench.engine_mode(cfg) == "decode_graphs" and cfg["engine"]["parity_probe"]["every"] == 0
     assert cfgs["a"]["engine"]["release_kv"] == "auto"               # = on for one_copy on a GPU
     same = {k: {json.dumps(c[k], sort_keys=True) for c in cfgs.values()} for k in ("data", "adapter", "seed")}
     assert all(len(v) == 1 for v in same.values()), same          # the same prompts and adapter everywhere
@@ -165,3 +166,16 @@ def test_a_timed_out_run_is_killed_with_its_whole_process_group():
             break
         time.sleep(0.1)
     assert state(grandchild) in ("gone", "Z", "X")
+
+
+def test_engine_mode_sets_the_engine_keys_and_the_rollout_estimate(tmp_path):
+    from rlfp8.models import architecture_config
+    arch = architecture_config("qwen3_8b")
+    est = {}
+    for mode in bench.ENGINE_MODES:
+        args = _args("--shape", "qwen3_8b", "--engine-mode", mode)
+        cfg = bench.compose(bench.overrides(args, "a", tmp_path / mode, 50.0))
+        assert bench.engine_mode(cfg) == mode
+        est[mode] = bench.estimate_wall_s(cfg, arch, bench.memory_plan("a", cfg, arch, 139.8, 128.0), 0.0)
+    assert est["eager"]["rollout_s"] > 5 * est["decode_graphs"]["rollout_s"]        # host-bound eager decode
+    assert est["compiled"]["start_s"] > est["decode_graphs"]["start_s"] > est["eager"]["start_s"]

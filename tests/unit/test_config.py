@@ -296,6 +296,19 @@ def test_engine_enforce_eager_auto_is_eager_only_on_cpu(monkeypatch, value, cpu_
     assert compose([f"engine.enforce_eager={str(value).lower()}"]).engine.enforce_eager == value
 
 
+@pytest.mark.parametrize("eager, compile_, expected", [
+    (False, False, {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}),   # graphs without torch.compile
+    (False, True, None),                                                 # vLLM's default: compile + graphs
+    (True, False, None)])                                                # eager: nothing to capture
+def test_engine_compile_false_asks_vllm_for_decode_graphs_only(monkeypatch, eager, compile_, expected):
+    from rlfp8.rollout import compat, engine
+    monkeypatch.setattr(compat, "on_cpu_build", lambda: False)
+    assert engine.compilation_config({"enforce_eager": eager, "compile": compile_}) == expected
+    assert compose([f"engine.compile={str(compile_).lower()}"]).engine.compile is compile_
+    with pytest.raises(ConfigError, match=r"engine.compile='sometimes': allowed values are \[True, False\]"):
+        compose(["engine.compile=sometimes"])
+
+
 def test_kernel_knobs_are_checked_at_composition():
     with pytest.raises(ConfigError, match=r"kernels.w8a16_widen='foo': allowed values are \('bits', 'cvt'\)"):
         compose(["kernels.w8a16_widen=foo"])
