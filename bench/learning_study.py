@@ -46,11 +46,14 @@ OPTIONAL_ARMS: dict[str, list[str]] = {
     "w8a8_none": ["engine.precision=w8a8", "algo.correction=none"],    # the uncorrected W8A8 reference
 }
 # Every run: small KV caches so several runs share one GPU (vLLM's memory profiling asserts otherwise with
-# concurrent engines), eager engines (no compile / CUDA-graph capture at start: shorter for 20-step runs),
+# concurrent engines), decode steps as CUDA graphs without torch.compile (engine.compile=false: seconds of
+# capture at start; eager decode is host-bound and nine runs share the host's 16 cores; STUDY_EXTRA
+# engine.enforce_eager=true restores the eager engines of the 2026-12-01 studies),
 # held-out eval every 5 steps for the curves, the same held-out prompts (data.seed) everywhere.
 # No KV release: with several runs on one GPU a neighbour takes the memory a released cache frees, and the
 # resume fails (one of the nine runs of 2026-12-01); the release does not change what a run computes.
-COMMON = ["engine.kv_cache_memory_gb=4", "engine.enforce_eager=true", "engine.release_kv=false", "eval_every=5",
+COMMON = ["engine.kv_cache_memory_gb=4", "engine.enforce_eager=false", "engine.compile=false",
+          "engine.release_kv=false", "eval_every=5",
           "data.seed=0"]
 # The task: two-digit addition (the quickstart's one-digit task ends at 100% held-out for every arm, which
 # makes any arm "within the spread"). SmolLM2-135M answers 18% of 100 held-out prompts greedily before
