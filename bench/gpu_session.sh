@@ -27,6 +27,7 @@
 #            on the Qwen3-8B shape (background); tarred to checks.tgz
 #   round_timing  one call, nothing else on the GPU: the step profile (quickstart, probe overlap on and off),
 #            bench/dora.py at r = 64 and 384, the training linear's per-kernel profile
+#   round_graphs  one call: the decode-graphs engine's GPU test, then placements_8b (a, d, e) in that mode
 #   round_dora    one call: the DoRA / Gluon main-loop GPU tests, then bench/dora.py (r = 64/384/512) and the profile
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -173,7 +174,7 @@ placements_8b)   # ~9 min: the five configurations at 8B / 1k in priority order 
     P_SHAPE=qwen3_8b P_LEN=1024 P_CONFIGS=${P_CONFIGS:-a,d,e,b,c} bash "$0" placements ;;
 placements)      # P_SHAPE, P_LEN, P_CONFIGS (see placements_32b / placements_8b)
     shopt -s nullglob; name=placements_${P_SHAPE#qwen3_}; root=/tmp/$name/$(date +%H%M%S); mkdir -p "$OUT/r" "$OUT/$name"
-    timeout 565 $PY bench/placements.py --shape "$P_SHAPE" --response-len "$P_LEN" --configs "$P_CONFIGS" \
+    timeout ${P_TIMEOUT:-565} $PY bench/placements.py --shape "$P_SHAPE" --response-len "$P_LEN" --configs "$P_CONFIGS" \
         --steps ${P_STEPS:-2} --budget-s ${P_BUDGET_S:-520} --runs-root "$root" --extra "${P_EXTRA:-}" ${DRY_RUN:+--dry-run} \
         --out "$OUT/r/${name}_h200.json" > "$OUT/$name.log" 2>&1; echo "placements rc=$?"
     grep -v "^INFO\|^WARNING\|^(\|^\[36m" "$OUT/$name.log" | grep -v "^== .*rlfp8.train" | tail -45
@@ -208,6 +209,15 @@ round_timing)
     timeout 90 $PY bench/lab/linear_profile.py --shape 8192x8192 --ranks 64,384 --out "$OUT/r/linear_profile_h200.json" \
         > "$OUT/linear_profile.log" 2>&1; echo "linear_profile rc=$?"; tail -40 "$OUT/linear_profile.log"
     ;;
+round_graphs)  # one call: the plugin engine with decode graphs and no torch.compile (engine.compile=false, the GPU
+               # test), then issue 14's 8B table in that mode in what is left (P_CONFIGS, default a,d,e)
+    mkdir -p "$OUT/r"
+    timeout 120 $PY -m pytest tests/gpu/test_plugin_gpu.py -m gpu -k decode_graphs -q -rs --timeout 115 \
+        > "$OUT/gpu_decode_graphs_test.log" 2>&1; rc=$?; echo "decode graphs test rc=$rc"; tail -5 "$OUT/gpu_decode_graphs_test.log"
+    [ $rc = 0 ] || P_EXTRA="${P_EXTRA:+$P_EXTRA,}engine.enforce_eager=true"   # graphs failed: the table in eager mode
+    left=$((588 - SECONDS)); P_CONFIGS=${P_CONFIGS:-a,d,e} P_TIMEOUT=$left P_BUDGET_S=$((left - 30)) P_EXTRA=${P_EXTRA:-} \
+        bash "$0" placements_8b
+    ;;
 round_dora)  # one call: the DoRA and Gluon-main-loop GPU tests (bit-identical to K2, norm pieces), then bench/dora.py and
              # the per-kernel profile at r = 64 / 384 / 512 (issue 16's timing line)
     mkdir -p "$OUT/r"
@@ -221,5 +231,5 @@ round_dora)  # one call: the DoRA and Gluon-main-loop GPU tests (bit-identical t
     echo "linear_profile rc=$?"; grep -E "ms$|^r=" "$OUT/linear_profile.log" | head -20
     ;;
 *)
-    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn|trace|diagnose|study|final_a|final_b|round_kernels|round_engine|placements_32b|placements_8b|round_study|round_checks|round_timing|round_dora [--run NAME:overrides ...]"; exit 2 ;;
+    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn|trace|diagnose|study|final_a|final_b|round_kernels|round_engine|placements_32b|placements_8b|round_study|round_checks|round_timing|round_dora|round_graphs [--run NAME:overrides ...]"; exit 2 ;;
 esac
