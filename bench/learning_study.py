@@ -10,13 +10,18 @@ Seeds vary the top-level `seed=` (the engine's sampling streams and the adapter'
 
 `analyze` reads metrics.jsonl files (run folders, `ARM__sSEED.metrics.jsonl` files, or folders of them),
 and per arm takes, for every seed, the final held-out reward (`eval/reward` at the last step, greedy) and
-the last-3-step train reward (`reward/mean`). Each arm is compared with the `bf16` arm: the difference of
-the seed means, in points (reward x 100), with a 95% Welch t interval over seeds (Welch-Satterthwaite
-degrees of freedom). Why Welch over seeds: the claim is about seed-to-seed spread of RL outcomes, so the
-seed is the unit of replication; the held-out prompts are the same for every run (no prompt sampling
-between arms), and metrics.jsonl keeps only each eval's mean, not per-prompt rewards. With 3 seeds a
-bootstrap over seeds has only 10 distinct resamples per arm and understates the spread; the t interval
-is wider and honest about it. Verdict against +-MARGIN_POINTS: `inside` (the interval lies within),
+the last-3-step train reward (`reward/mean`). Each arm is compared with the `bf16` arm, in points (reward x
+100), over seeds: the seed is the unit of replication (the claim is about seed-to-seed spread of RL outcomes;
+the held-out prompts are the same for every run, and metrics.jsonl keeps only each eval's mean). The verdict
+reads the PAIRED interval: the mean over the seeds both arms ran of (arm - bf16) with a 95% t interval on
+n - 1 degrees of freedom. Why paired: a seed fixes the adapter's initialisation and every prompt's sampling
+stream, and step 1 serves the same base model in every arm, so two arms of one seed start from the same
+batch and share part of RL's own noise; the difference per seed removes that shared part (the correlation
+over seeds is reported). Chosen before the study of 2026-12-02 (the 2026-12-01 runs of bf16 and w8a8_tis
+read stale prefix KV and do not count). The 95% Welch t interval of the difference of seed means (arms as
+independent samples, Welch-Satterthwaite df) is reported beside it. With 3 seeds a bootstrap over seeds has
+only 10 distinct resamples per arm and understates the spread; t intervals are wider and honest about it.
+Verdict against +-MARGIN_POINTS: `inside` (the interval lies within),
 `outside` (it lies entirely beyond), `inconclusive` (it straddles a bound: more seeds needed),
 `insufficient` (fewer than 2 seeds in an arm).
 
@@ -208,6 +213,23 @@ def welch_difference(arm: list[float], base: list[float], level: float = 0.95) -
     return {"diff": ma - mb, "ci": [ma - mb - half, ma - mb + half], "df": df, "se": se}
 
 
+def paired_difference(arm: dict[int, float], base: dict[int, float], level: float = 0.95) -> dict:
+    """mean over common seeds of arm[s] - base[s] with its t interval (n - 1 df), and the arms' correlation
+    over those seeds; values in points."""
+    seeds = sorted(set(arm) & set(base))
+    d = [arm[s] - base[s] for s in seeds]
+    out = {"seeds": seeds, "diff": sum(d) / len(d) if d else None, "ci": None}
+    if len(d) < 2:
+        return {**out, "note": "fewer than 2 seeds in both arms: no interval"}
+    m, v = _mean_var(d)
+    se = math.sqrt(v / len(d))
+    half = student_t_quantile(0.5 + level / 2, len(d) - 1) * se if se else 0.0
+    (ma, va), (mb, vb) = _mean_var([arm[s] for s in seeds]), _mean_var([base[s] for s in seeds])
+    cov = sum((arm[s] - ma) * (base[s] - mb) for s in seeds) / (len(d) - 1)
+    corr = cov / math.sqrt(va * vb) if va > 0 and vb > 0 else None
+    return {**out, "ci": [m - half, m + half], "df": len(d) - 1, "se": se, "correlation": corr}
+
+
 def verdict(ci: list[float] | None, margin: float = MARGIN_POINTS) -> str:
     if ci is None:
         return "insufficient"
@@ -260,9 +282,11 @@ def compare(arms: dict[str, list[RunCurve]], margin: float) -> dict:
             continue
         out[arm] = {}
         for metric, value in METRICS.items():
-            res = welch_difference([100 * value(r) for r in rs], [100 * value(r) for r in arms[BASELINE]])
-            res["verdict"] = verdict(res["ci"], margin)
-            out[arm][metric] = res
+            mine, base = {r.seed: 100 * value(r) for r in rs}, {r.seed: 100 * value(r) for r in arms[BASELINE]}
+            paired = paired_difference(mine, base)
+            welch = welch_difference(list(mine.values()), list(base.values()))
+            welch["verdict"] = verdict(welch["ci"], margin)
+            out[arm][metric] = {**paired, "verdict": verdict(paired["ci"], margin), "welch": welch}
     return out
 
 
@@ -290,8 +314,9 @@ def study(runs: list[RunCurve], margin: float = MARGIN_POINTS) -> dict:
         summary[arm] = {"overrides": {**ARMS, **OPTIONAL_ARMS}.get(arm), "seeds": [r.seed for r in rs],
                         "runs": [r.source for r in rs], "per_seed": per_seed,
                         "mean": {m: sum(v.values()) / len(v) for m, v in per_seed.items()}}
-    return {"method": "difference of seed means vs the bf16 arm, in points (reward x 100); 95% Welch t interval "
-                      "over seeds (Welch-Satterthwaite df); verdict inside/outside/inconclusive against +-margin",
+    return {"method": "arm - bf16 per seed, in points (reward x 100), over the seeds both ran: mean and 95% t "
+                      "interval (n - 1 df); verdict inside/outside/inconclusive against +-margin. Beside it "
+                      "(comparisons.*.*.welch): the difference of seed means with a 95% Welch t interval",
             "baseline": BASELINE, "margin_points": margin, "common_overrides": COMMON + TASK,
             "held_out": held_out_check([r for rs in arms.values() for r in rs]),
             "task": task_check(arms), "arms": summary, "comparisons": compare(arms, margin), "left_out": left_out}
@@ -328,12 +353,17 @@ def plot(runs: list[RunCurve], result: dict, path: Path) -> Path:
 
 
 def text_table(result: dict) -> str:
-    lines = [f"{'arm':<16}{'metric':<13}{'diff pts':>9}  {'95% CI (Welch)':<20}{'verdict':<13}"]
+    def ci(r):
+        return "-" if r["ci"] is None else f"[{r['ci'][0]:+.1f}, {r['ci'][1]:+.1f}]"
+
+    lines = [f"{'arm':<16}{'metric':<13}{'diff pts':>9}  {'95% CI (paired)':<18}{'verdict':<13}{'corr':>6}  "
+             f"{'95% CI (Welch)':<18}{'verdict':<13}"]
     for arm, per in result["comparisons"].items():
         for metric, r in per.items():
-            ci = "-" if r["ci"] is None else f"[{r['ci'][0]:+.1f}, {r['ci'][1]:+.1f}]"
             diff = "-" if r["diff"] is None else f"{r['diff']:+.1f}"
-            lines.append(f"{arm:<16}{metric:<13}{diff:>9}  {ci:<20}{r['verdict']:<13}{r.get('note', '')}")
+            corr = "-" if r.get("correlation") is None else f"{r['correlation']:+.2f}"
+            lines.append(f"{arm:<16}{metric:<13}{diff:>9}  {ci(r):<18}{r['verdict']:<13}{corr:>6}  "
+                         f"{ci(r['welch']):<18}{r['welch']['verdict']:<13}{r.get('note', '')}")
     return "\n".join(lines)
 
 

@@ -161,3 +161,20 @@ def test_study_stage_dry_run_lists_every_arm_and_seed_and_each_composes(ls, tmp_
         assert cfg["seed"] == 1 and cfg["data"]["seed"] == 0 and cfg["engine"]["kv_cache_memory_gb"] == 4
         arm = ls.ARMS[name.removesuffix("__s1")]
         assert cfg["engine"]["precision"] == arm[0].split("=")[1]
+
+
+def test_paired_difference_by_hand_and_against_welch(ls):
+    base = {0: 70.0, 1: 90.0, 2: 80.0, 5: 10.0}                 # seed 5 has no partner: left out of the pairs
+    arm = {0: 71.0, 1: 91.0, 2: 79.0}
+    r = ls.paired_difference(arm, base)
+    assert r["seeds"] == [0, 1, 2] and r["df"] == 2
+    d = [1.0, 1.0, -1.0]
+    m = sum(d) / 3
+    se = math.sqrt(sum((x - m) ** 2 for x in d) / 2 / 3)
+    assert r["diff"] == pytest.approx(m) and r["se"] == pytest.approx(se)
+    assert r["ci"] == pytest.approx([m - 4.302653 * se, m + 4.302653 * se], rel=1e-5)
+    assert r["correlation"] == pytest.approx(0.9934, abs=1e-3)
+    # the seeds share RL's noise: the pairs see the arms agree, the independent-samples interval cannot
+    assert ls.verdict(r["ci"]) == "inside"
+    assert ls.verdict(ls.welch_difference(list(arm.values()), [70.0, 90.0, 80.0])["ci"]) == "inconclusive"
+    assert ls.paired_difference({0: 1.0}, {0: 2.0})["ci"] is None
