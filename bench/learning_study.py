@@ -15,8 +15,8 @@ the last-3-step train reward (`reward/mean`). Each arm is compared with the `bf1
 the held-out prompts are the same for every run, and metrics.jsonl keeps only each eval's mean). The verdict
 reads the PAIRED interval: the mean over the seeds both arms ran of (arm - bf16) with a 95% t interval on
 n - 1 degrees of freedom. Why paired: a seed fixes the adapter's initialisation and every prompt's sampling
-stream, and step 1 serves the same base model in every arm, so two arms of one seed start from the same
-batch and share part of RL's own noise; the difference per seed removes that shared part (the correlation
+stream, and step 1 serves the base model in every arm (at its precision), so two arms of one seed start from
+nearly the same batch and share part of RL's own noise; the difference per seed removes that part (the correlation
 over seeds is reported). Chosen before the study of 2026-12-02 (the 2026-12-01 runs of bf16 and w8a8_tis
 read stale prefix KV and do not count). The 95% Welch t interval of the difference of seed means (arms as
 independent samples, Welch-Satterthwaite df) is reported beside it. With 3 seeds a bootstrap over seeds has
