@@ -92,10 +92,11 @@ class FakeLoRALayer(torch.nn.Module):
 
 
 def _pdl_as_on_gpu(dispatch) -> None:
-    """PDL resolves as on an H200. What the GPU answers is replaced, not its cost: pdl_unavailable's GPU body
-    (device capability, the gdc_* lookup) is not run on the CPU, which undercounts trees that run it per call."""
-    if hasattr(dispatch, "pretend_pdl_available"):
-        dispatch.pretend_pdl_available(torch.device("cpu"))
+    """PDL resolves as on an H200. The GPU's answer is put in place of the CPU's ("not a CUDA GPU"), not its cost:
+    pdl_unavailable's GPU body (a device-properties query, the gdc_* lookup) is not run, which undercounts trees
+    that run it per call (before dispatch cached it per device)."""
+    if hasattr(dispatch, "_pdl_why"):
+        dispatch._pdl_why[(torch.device("cpu"), dispatch.triton_interpreting())] = None
     else:                                            # trees before the per-device answer (--before arms)
         dispatch.pdl_unavailable = lambda device: None
 

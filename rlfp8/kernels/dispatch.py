@@ -99,13 +99,32 @@ def choose_launch(op: str, device: torch.device) -> bool:
     knob `pdl` (kernels.pdl / RLFP8_PDL); records "<op>.launch" = pdl | stream. pdl=on where PDL cannot run
     raises, naming the knob and the reason."""
     mode = knobs().pdl
-    why = None if mode == "off" else pdl_unavailable(torch.device(device))
+    why = None if mode == "off" else _pdl_unavailable_once(device)
     if mode == "on" and why is not None:
         raise RuntimeError(f"rlfp8.kernels.{op}: kernel knob pdl=on (kernels.pdl / RLFP8_PDL) but {why}; "
                            "use pdl=auto or off")
     use = mode != "off" and why is None
     record(f"{op}.launch", "pdl" if use else "stream")
     return use
+
+
+# (device, interpreter on) -> pdl_unavailable's answer: a device's capability and this Triton build do not change
+# within a process, and the GPU answer cost a device-properties query and an import per projection call
+_pdl_why: dict[tuple[torch.device, bool], str | None] = {}
+
+
+def _pdl_unavailable_once(device) -> str | None:
+    key = (device if isinstance(device, torch.device) else torch.device(device), triton_interpreting())
+    try:
+        return _pdl_why[key]
+    except KeyError:
+        why = _pdl_why[key] = pdl_unavailable(key[0])
+        return why
+
+
+def reset_pdl_cache() -> None:
+    """Forget the per-device PDL answers (tests that fake a GPU or patch pdl_unavailable)."""
+    _pdl_why.clear()
 
 
 def record(op: str, path: str) -> None:

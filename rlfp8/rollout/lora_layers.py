@@ -14,16 +14,21 @@ build the per-token slot indices of the CPU punica wrapper, sorted into the same
 """
 from __future__ import annotations
 
+import math
+
 import torch
+
+from rlfp8.kernels import build_lora_meta
+from rlfp8.kernels._triton_utils import stacked_view
+
+from .quant_method import project
+from .vllm_lora_meta import lora_meta_from_vllm
 
 OP_NAME = "rlfp8_lora_linear"
 _LAYERS: list[type] = []
 
 
 def _lora_meta(layer, num_tokens: int):
-    from rlfp8.kernels import build_lora_meta
-
-    from .vllm_lora_meta import lora_meta_from_vllm
     pw = layer.punica_wrapper
     kernel_meta = getattr(pw, "token_mapping_meta", None)
     if kernel_meta is not None:                                           # GPU punica wrapper
@@ -33,19 +38,33 @@ def _lora_meta(layer, num_tokens: int):
     return build_lora_meta(slots, layer.lora_a_stacked[0].shape[0])
 
 
+def adapter_views(layer) -> tuple[tuple, tuple]:
+    """(A, B): 3-D views [S, r, K] / [S, N_l, r] of vLLM's stacked slices [S, 1, ., .], made once per layer
+    (a slice view cost ~2.5 us each per call, 6 per qkv call): vLLM writes adapters into these tensors in place
+    (adapter_slots.py copies into the slots), so views of them stay current; a replaced stack tensor makes new
+    views (the cache holds the tensors it viewed and compares identities)."""
+    a, b = layer.lora_a_stacked, layer.lora_b_stacked
+    cached = layer.__dict__.get("_rlfp8_adapter_views")
+    if (cached is not None and len(cached[0]) == len(a) and len(cached[1]) == len(b)
+            and all(x is y for x, y in zip(cached[0], a)) and all(x is y for x, y in zip(cached[1], b))):
+        return cached[2], cached[3]
+    views = (tuple(stacked_view("engine.projection", f"lora_a_stacked[{i}]", t, None) for i, t in enumerate(a)),
+             tuple(stacked_view("engine.projection", f"lora_b_stacked[{i}]", t, None) for i, t in enumerate(b)))
+    layer.__dict__["_rlfp8_adapter_views"] = (tuple(a), tuple(b), *views)
+    return views
+
+
 def run_projection(layer, x: torch.Tensor) -> torch.Tensor:
     """The fused projection of one LoRA layer (eager body of the custom op)."""
-    from .quant_method import project
     base = layer.base_layer
     bias = base.bias if not base.skip_bias_add else None
-    x2 = x.reshape(-1, x.shape[-1])
-    meta = _lora_meta(layer, x2.shape[0])
+    meta = _lora_meta(layer, math.prod(x.shape[:-1]))
     if meta.no_lora:
         return project(x, base, base.quant_method.mode, bias=bias)
     g = getattr(layer, "rlfp8_dora_g", None)
     g = g if getattr(layer, "rlfp8_dora_active", False) else None
-    return project(x, base, base.quant_method.mode, A=layer.lora_a_stacked, B=layer.lora_b_stacked, meta=meta,
-                   g=g, bias=bias)
+    A, B = adapter_views(layer)
+    return project(x, base, base.quant_method.mode, A=A, B=B, meta=meta, g=g, bias=bias)
 
 
 def _op_impl(x: torch.Tensor, layer_name: str, out_features: int) -> torch.Tensor:
