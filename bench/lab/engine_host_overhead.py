@@ -128,7 +128,7 @@ def make_layers(mode: str, active: bool, tokens: int, meta_args: int) -> list:
 
 
 def time_arm(layers, xs, iters: int):
-    """(per-pass thread CPU times, launches per pass, the pass's launches, cProfile) over `iters` passes."""
+    """(per-pass thread CPU times, launches per pass, the last pass's launches, cProfile) over `iters` passes."""
     from rlfp8.kernels._triton_utils import collect_launches
     from rlfp8.rollout.lora_layers import run_projection
 
@@ -149,7 +149,7 @@ def time_arm(layers, xs, iters: int):
         for _ in range(iters):
             one_pass()
         prof.disable()
-    return sorted(times), n_launch, list(rec[:n_launch]), prof
+    return sorted(times), n_launch, list(rec[-n_launch:]), prof         # the last pass: caches warm
 
 
 def print_parts(prof, n_calls: int, indent: str = "    ") -> None:
@@ -162,6 +162,19 @@ def print_parts(prof, n_calls: int, indent: str = "    ") -> None:
         if name in rows:
             nc, ct = rows[name]
             print(f"{indent}{name:24s} {1e6 * ct / n_calls:8.1f} us   ({nc / n_calls:.1f} calls per projection)")
+
+
+def launch_signature(records) -> list:
+    """The recorded launches as comparable values (kernel, grid, per argument: tensor dtype/shape/strides/alignment
+    or the value; a TMA descriptor's block and its tensor's), to show that two trees launch the same."""
+    def arg(a):
+        if isinstance(a, torch.Tensor):
+            return ["tensor", str(a.dtype), list(a.shape), list(a.stride()), a.data_ptr() % 16]
+        if type(a).__name__ == "TensorDescriptor":
+            return ["tma", arg(a.base), list(a.shape), list(a.strides), list(a.block_shape)]
+        return repr(a)
+    return [[kern.fn.__name__, list(grid), [arg(a) for a in args], {k: arg(v) for k, v in sorted(kw.items())}]
+            for kern, grid, args, kw in records]
 
 
 def main(args) -> None:
@@ -178,6 +191,7 @@ def main(args) -> None:
         _h200_configs()
     print(f"engine projection, Qwen3-8B layer (qkv, o, gate_up, down), T={args.tokens} r={RANK}, pdl={args.pdl}, "
           f"configs={args.configs}, meta_args {args.meta_args}-tuple, {args.iters} passes; us per projection call")
+    dumped = {}
     for mode in ("w8a16", "w8a8"):
         for active in (True, False):
             layers = make_layers(mode, active, args.tokens, args.meta_args)
@@ -188,5 +202,10 @@ def main(args) -> None:
                   f"  min {1e6 * times[0] / n:7.1f} us;  {n_launch / n:.1f} launches, binder "
                   f"{binder_us(rec):.1f} us each (sm_90)")
             print_parts(prof, n * args.iters)
+            dumped[f"{mode} adapter={active}"] = launch_signature(rec)
             if args.top:
                 pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+    if args.dump_launches:
+        import json
+        from pathlib import Path
+        Path(args.dump_launches).write_text(json.dumps(dumped, indent=1))

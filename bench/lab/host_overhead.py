@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--meta-args", type=int, default=7, choices=(6, 7), help="--engine: vLLM meta_args tuple form")
     ap.add_argument("--pdl", default="gpu", choices=("gpu", "off"), help="--engine: PDL resolved as on an H200, or off")
     ap.add_argument("--configs", default="h200", choices=("h200", "heuristic"), help="--engine: K2's config table")
+    ap.add_argument("--dump-launches", default=None, help="--engine: write the recorded launches (json) here, to "
+                    "compare two trees")
     args = ap.parse_args()
     if args.engine:
         import engine_host_overhead
