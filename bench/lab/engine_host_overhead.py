@@ -30,7 +30,8 @@ HIDDEN = 4096
 # (name, output slices N_l, K) of one Qwen3-8B decoder layer (32 q heads / 8 kv heads of 128, MLP 12288)
 QWEN3_8B_LAYER = (("qkv", (4096, 1024, 1024), HIDDEN), ("o", (HIDDEN,), HIDDEN),
                   ("gate_up", (12288, 12288), HIDDEN), ("down", (HIDDEN,), 12288))
-ENGINE_PARTS = ("run_projection", "_lora_meta", "lora_meta_from_vllm", "signature", "project",
+ENGINE_PARTS = ("run_projection", "_lora_meta", "lora_meta_from_vllm", "signature", "_planned", "_call_key", "replay",
+                "capture", "project",
                 "fp8_lora_linear", "_use_pdl", "choose_launch", "pdl_unavailable", "quantize_rows_triton",
                 "lora_shrink_triton", "check_lora_shrink_args", "_pick_shrink_config", "lora_gemm_triton",
                 "check_lora_gemm_args", "_pick_config", "_fit_to_device", "_split_k_buffers", "_lora_args",

@@ -127,10 +127,21 @@ def reset_pdl_cache() -> None:
     _pdl_why.clear()
 
 
+_record_sink: list | None = None           # launch_plan.capture: the records of the call it watches
+
+
 def record(op: str, path: str) -> None:
     if _ran[op][path] == 0:
         log.info("rlfp8.kernels: %s runs on %s", op, path)
     _ran[op][path] += 1
+    if _record_sink is not None:
+        _record_sink.append((op, path))
+
+
+def replay_records(pairs) -> None:
+    """The records of a replayed launch plan (rlfp8.kernels.launch_plan): the same counts as its call made."""
+    for op, path in pairs:
+        _ran[op][path] += 1
 
 
 def report() -> dict[str, dict[str, int]]:
