@@ -31,6 +31,12 @@ def launch(kernel, grid, *args, **kwargs):
         kwargs.pop("launch_pdl")
     if _launch_sink is not None:
         _launch_sink.append((kernel, tuple(grid), args, dict(kwargs)))
+        if _collector is None:
+            # the launch itself is what a replay repeats: launch_plan's op watch must not see its internals
+            # (the interpreter's argument copies)
+            from torch.utils._python_dispatch import _disable_current_modes
+            with _disable_current_modes():
+                return kernel[tuple(grid)](*args, **kwargs)
     if _collector is not None:
         _collector.append((kernel, tuple(grid), args, dict(kwargs)))
         return None
