@@ -42,16 +42,16 @@ class FakeKernelMeta:
     """vLLM's LoRAKernelMeta as the engine sees it: buffers for `max_tokens` tokens, meta_args(T, specialize)
     returning views of their first T entries and the CPU flags (vllm/lora/ops/triton_ops/lora_kernel_metadata.py)."""
 
-    def __init__(self, slots: torch.Tensor, max_loras: int, max_tokens: int = 8192):
+    def __init__(self, slots: torch.Tensor, max_loras: int, max_tokens: int = 8192, device="cpu"):
         from rlfp8.kernels import build_lora_meta
         m = build_lora_meta(slots, max_loras)
         T = slots.shape[0]
-        self.token_lora_mapping = torch.full((max_tokens,), -1, dtype=torch.int32)
-        self.token_indices_sorted_by_lora_ids = torch.zeros(max_tokens, dtype=torch.int32)
-        self.token_lora_mapping[:T] = m.token_lora_mapping
-        self.token_indices_sorted_by_lora_ids[:T] = m.token_indices_sorted_by_lora_ids
-        self.active_lora_ids, self.num_tokens_per_lora = m.active_lora_ids, m.num_tokens_per_lora
-        self.lora_token_start_loc, self.no_lora_flag_cpu = m.lora_token_start_loc, m.no_lora_flag_cpu
+        self.token_lora_mapping = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self.token_indices_sorted_by_lora_ids = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self.token_lora_mapping[:T] = m.token_lora_mapping.to(device)
+        self.token_indices_sorted_by_lora_ids[:T] = m.token_indices_sorted_by_lora_ids.to(device)
+        self.active_lora_ids, self.num_tokens_per_lora = m.active_lora_ids.to(device), m.num_tokens_per_lora.to(device)
+        self.lora_token_start_loc, self.no_lora_flag_cpu = m.lora_token_start_loc.to(device), m.no_lora_flag_cpu
         self.num_active_loras_cpu = m.num_active_loras_cpu
         self.default_num_active_loras_cpu = torch.tensor([max_loras + 1], dtype=torch.int32)
 
@@ -71,24 +71,30 @@ class FakeKernelMeta6(FakeKernelMeta):
 
 class FakeLoRALayer(torch.nn.Module):
     """The attributes run_projection reads of vLLM's *WithLoRA layer, as nn.Modules and Parameters (so their
-    attribute lookups cost what vLLM's do). Codes and adapters uninitialised: nothing is computed from them."""
+    attribute lookups cost what vLLM's do). On the CPU codes and adapters are uninitialised (nothing is computed
+    from them); on a GPU (engine_host_gpu.py) random codes, small adapters: finite outputs."""
 
-    def __init__(self, mode: str, widths: tuple, K: int, meta, slots: int = 1):
+    def __init__(self, mode: str, widths: tuple, K: int, meta, slots: int = 1, device="cpu"):
         import types
         super().__init__()
         N = sum(widths)
         self.base_layer = torch.nn.Module()
-        self.base_layer.weight = torch.nn.Parameter(torch.empty(N, K, dtype=torch.float8_e4m3fn), requires_grad=False)
-        self.base_layer.weight_scale = torch.nn.Parameter(torch.ones(N), requires_grad=False)
+        codes = torch.empty(N, K, dtype=torch.float8_e4m3fn, device=device)
+        if codes.is_cuda:
+            codes.copy_(torch.randn(N, K, device=device))
+        self.base_layer.weight = torch.nn.Parameter(codes, requires_grad=False)
+        self.base_layer.weight_scale = torch.nn.Parameter(torch.full((N,), 1e-3, device=device), requires_grad=False)
         self.base_layer.bias = None
         self.base_layer.skip_bias_add = False
         self.base_layer.quant_method = types.SimpleNamespace(mode=mode)
         self.punica_wrapper = types.SimpleNamespace(token_mapping_meta=meta)
         self.lora_config = types.SimpleNamespace(specialize_active_lora=True)
-        self.lora_a_stacked = tuple(torch.zeros(slots, 1, RANK, K, dtype=torch.bfloat16) for _ in widths)
-        self.lora_b_stacked = tuple(torch.zeros(slots, 1, n, RANK, dtype=torch.bfloat16) for n in widths)
+        self.lora_a_stacked = tuple(torch.full((slots, 1, RANK, K), 0.01, dtype=torch.bfloat16, device=device)
+                                    for _ in widths)
+        self.lora_b_stacked = tuple(torch.full((slots, 1, n, RANK), 0.01, dtype=torch.bfloat16, device=device)
+                                    for n in widths)
         self.output_slices = widths
-        self.rlfp8_dora_g = torch.ones(slots, N)
+        self.rlfp8_dora_g = torch.ones(slots, N, device=device)
         self.rlfp8_dora_active = False
 
 
@@ -122,10 +128,11 @@ def _as_cuda(fn):
     return call
 
 
-def make_layers(mode: str, active: bool, tokens: int, meta_args: int) -> list:
+def make_layers(mode: str, active: bool, tokens: int, meta_args: int, device="cpu") -> list:
     slots = torch.zeros(tokens, dtype=torch.long) if active else torch.full((tokens,), -1)
     meta_cls = FakeKernelMeta if meta_args == 7 else FakeKernelMeta6
-    return [FakeLoRALayer(mode, widths, K, meta_cls(slots, 1)) for _, widths, K in QWEN3_8B_LAYER]
+    return [FakeLoRALayer(mode, widths, K, meta_cls(slots, 1, device=device), device=device)
+            for _, widths, K in QWEN3_8B_LAYER]
 
 
 def time_arm(layers, xs, iters: int):
