@@ -2,7 +2,7 @@
 of the engine's custom op), no GPU and no vLLM needed.
 
     python bench/lab/host_overhead.py --engine [--tokens 64] [--iters 50] [--meta-args 7|6] [--pdl gpu|off]
-                                               [--configs h200|heuristic] [--top N]
+                                               [--configs h200|heuristic] [--baseline] [--top N] [--dump-launches F]
 
 One pass = one decoder layer of Qwen3-8B (qkv N=6144, o 4096x4096, gate_up N=24576, down K=12288; LoRA rank 64,
 one slot as the engine's max_loras=1), T = 64 decode tokens, for each of w8a16 / w8a8 x adapter active (every
@@ -191,13 +191,15 @@ def main(args) -> None:
     from rlfp8.kernels import dispatch
     from rlfp8.kernels.knobs import set_knobs
     torch.set_num_threads(1)
-    set_knobs(backend="triton", pdl="auto" if args.pdl == "gpu" else "off", batch_invariant="auto")
+    set_knobs(backend="triton", pdl="auto" if args.pdl == "gpu" else "off", batch_invariant="auto",
+              host_fast=not args.baseline)             # --baseline: no launch plans (the direct path)
     dispatch.triton_interpreting = lambda: True      # CPU tensors allowed to reach the Triton launchers
     if args.pdl == "gpu":
         _pdl_as_on_gpu(dispatch)
     if args.configs == "h200":
         _h200_configs()
     print(f"engine projection, Qwen3-8B layer (qkv, o, gate_up, down), T={args.tokens} r={RANK}, pdl={args.pdl}, "
+          f"host_fast={not args.baseline}, "
           f"configs={args.configs}, meta_args {args.meta_args}-tuple, {args.iters} passes; us per projection call")
     dumped = {}
     for mode in ("w8a16", "w8a8"):

@@ -104,17 +104,16 @@ def _planned(layer, x, meta, static: tuple, call):
     entry = plans.get(key)
     inputs = (x,) if meta is None else (x, *meta.tensors())
     weight_ptr = static[0].data_ptr()
-    if entry is not None and entry[0] == weight_ptr and all(a is b for a, b in zip(entry[1], static)):
-        if entry[2] is not None:
-            dispatch.record("engine.host_plan", "replay")
-            return entry[2].replay(inputs)
-        if entry[3] >= CAPTURE_TRIES or not x.numel():
-            dispatch.record("engine.host_plan", "direct")
-            return call()
-    elif x.is_cuda and torch.cuda.is_current_stream_capturing():     # a plan made in a graph would hold its pool
+    same_layer = entry is not None and entry[0] == weight_ptr and all(a is b for a, b in zip(entry[1], static))
+    if same_layer and entry[2] is not None:
+        dispatch.record("engine.host_plan", "replay")
+        return entry[2].replay(inputs)
+    # no capture: of an empty call, past the tries, or inside a CUDA graph (a plan would hold the graph's buffers)
+    if (not x.numel() or (same_layer and entry[3] >= CAPTURE_TRIES)
+            or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
         dispatch.record("engine.host_plan", "direct")
         return call()
-    tries = 0 if entry is None or entry[0] != weight_ptr else entry[3]
+    tries = entry[3] if same_layer else 0
     readable = () if meta is None else (meta.no_lora_flag_cpu, meta.num_active_loras_cpu)
     with launch_plan.capture(inputs, readable) as cap:
         y = call()
