@@ -229,3 +229,18 @@ def test_capture_classifies_arguments_and_refuses_what_it_cannot_redo():
         with launch_plan.capture((x,)) as cap:                      # a fill the replay would not redo
             _fake_launch_call(x, torch.zeros(3))
         assert cap.plan(None) is None and "aten.zeros" in cap.why
+
+
+def test_every_kernel_launch_goes_through_the_recorded_launcher():
+    """A plan replays only the launches `_triton_utils.launch` saw: a kernel launched as kernel[grid](...) anywhere
+    else in rlfp8 would be silently left out of every replay."""
+    import pathlib
+    import re
+    root = pathlib.Path(lora_layers.__file__).resolve().parents[1]
+    direct = re.compile(r"[A-Za-z_)]\[[^\]]*\]\(")
+    kernel_modules = [p for p in root.rglob("*.py") if p.name != "_triton_utils.py" and "triton" in p.read_text()]
+    assert len(kernel_modules) > 5
+    found = [f"{p.relative_to(root)}:{i}" for p in kernel_modules
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if direct.search(line.split("#")[0]) and not line.lstrip().startswith(("#", '"', "'"))]
+    assert not found, f"direct kernel launches (use rlfp8.kernels._triton_utils.launch): {found}"
