@@ -80,7 +80,8 @@ def run_projection(layer, x: torch.Tensor) -> torch.Tensor:
     if not knobs().host_fast:
         dispatch.record("engine.host_plan", "direct")
         return call()
-    return _planned(layer, x, kmeta, (base.weight, base.weight_scale, bias, A, B, g), call)
+    # the knobs object too: the key holds only its id, the identity check makes a reused id harmless
+    return _planned(layer, x, kmeta, (base.weight, base.weight_scale, bias, A, B, g, knobs()), call)
 
 
 # Plans kept per layer (oldest dropped first): a decode batch's token count changes as sequences finish
