@@ -104,6 +104,8 @@ class _Capture:
         w = self.watch
         if w.why is None and not self.launches:
             w.why = "no Triton launch"
+        if w.why is None and len({id(t) for t in self.inputs}) != len(self.inputs):
+            w.why = "an input passed twice (a replay could not tell which position it fills)"
         if w.why is not None:
             self.why = w.why
             return None

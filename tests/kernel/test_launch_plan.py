@@ -226,6 +226,9 @@ def test_capture_classifies_arguments_and_refuses_what_it_cannot_redo():
         with launch_plan.capture((x,), readable=(flag,)) as cap:
             buf = _fake_launch_call(x, kept) if flag.item() else None
         assert cap.plan(buf) is not None
+        with launch_plan.capture((x, x)) as cap:                    # aliased inputs
+            buf = _fake_launch_call(x, kept)
+        assert cap.plan(buf) is None and "input passed twice" in cap.why
         with launch_plan.capture((x,)) as cap:                      # a fill the replay would not redo
             _fake_launch_call(x, torch.zeros(3))
         assert cap.plan(None) is None and "aten.zeros" in cap.why
