@@ -28,24 +28,24 @@ def _restore():
 class _VLLMMeta:
     """vLLM's LoRAKernelMeta as the engine sees it: fixed buffers refilled in place (prepare), meta_args(T, spec)."""
 
-    def __init__(self, max_loras: int, max_tokens: int = 32):
+    def __init__(self, max_loras: int, max_tokens: int = 32, device="cpu"):
         self.max_loras = max_loras
-        self.token_lora_mapping = torch.full((max_tokens,), -1, dtype=torch.int32)
-        self.token_indices_sorted_by_lora_ids = torch.zeros(max_tokens, dtype=torch.int32)
-        self.active_lora_ids = torch.full((max_loras + 1,), -1, dtype=torch.int32)
-        self.num_tokens_per_lora = torch.zeros(max_loras + 1, dtype=torch.int32)
-        self.lora_token_start_loc = torch.zeros(max_loras + 2, dtype=torch.int32)
+        self.token_lora_mapping = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self.token_indices_sorted_by_lora_ids = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        self.active_lora_ids = torch.full((max_loras + 1,), -1, dtype=torch.int32, device=device)
+        self.num_tokens_per_lora = torch.zeros(max_loras + 1, dtype=torch.int32, device=device)
+        self.lora_token_start_loc = torch.zeros(max_loras + 2, dtype=torch.int32, device=device)
         self.no_lora_flag_cpu = torch.tensor([True])
         self.num_active_loras_cpu = torch.tensor([0], dtype=torch.int32)
 
     def prepare(self, slots: torch.Tensor) -> None:
-        m = build_lora_meta(slots, self.max_loras)
+        m = build_lora_meta(slots.to(self.token_lora_mapping.device), self.max_loras)
         T = slots.shape[0]
         self.token_lora_mapping[:T] = m.token_lora_mapping
         self.token_indices_sorted_by_lora_ids[:T] = m.token_indices_sorted_by_lora_ids
         for name in ("active_lora_ids", "num_tokens_per_lora", "lora_token_start_loc", "no_lora_flag_cpu",
                      "num_active_loras_cpu"):
-            getattr(self, name).copy_(getattr(m, name))
+            getattr(self, name).copy_(getattr(m, name))            # the CPU flags stay on the CPU, as vLLM's
 
     def meta_args(self, token_nums: int, specialize_active_lora: bool):
         return (self.token_lora_mapping[:token_nums], self.token_indices_sorted_by_lora_ids[:token_nums],
@@ -53,20 +53,20 @@ class _VLLMMeta:
                 self.num_active_loras_cpu)
 
 
-def _layer(mode="w8a16", K=64, widths=(32, 16, 16), S=2, r=16):
+def _layer(mode="w8a16", K=64, widths=(32, 16, 16), S=2, r=16, device="cpu", max_tokens=32):
     """A stand-in of vLLM's merged LoRA layer over rlfp8's quant method (the attributes run_projection reads)."""
     layer = torch.nn.Module()
     layer.base_layer = torch.nn.Module()
-    q, sw = fp8.quantize_weight_ref(torch.randn(sum(widths), K) * 0.05)
+    q, sw = fp8.quantize_weight_ref(torch.randn(sum(widths), K, device=device) * 0.05)
     layer.base_layer.weight = torch.nn.Parameter(q, requires_grad=False)
     layer.base_layer.weight_scale = torch.nn.Parameter(sw, requires_grad=False)
     layer.base_layer.bias, layer.base_layer.skip_bias_add = None, False
     layer.base_layer.quant_method = types.SimpleNamespace(mode=mode)
-    layer.punica_wrapper = types.SimpleNamespace(token_mapping_meta=_VLLMMeta(S))
+    layer.punica_wrapper = types.SimpleNamespace(token_mapping_meta=_VLLMMeta(S, max_tokens, device))
     layer.lora_config = types.SimpleNamespace(specialize_active_lora=True)
-    layer.lora_a_stacked = tuple((torch.randn(S, 1, r, K) * 0.1).bfloat16() for _ in widths)
-    layer.lora_b_stacked = tuple((torch.randn(S, 1, n, r) * 0.1).bfloat16() for n in widths)
-    layer.rlfp8_dora_g, layer.rlfp8_dora_active = torch.ones(S, sum(widths)), False
+    layer.lora_a_stacked = tuple((torch.randn(S, 1, r, K, device=device) * 0.1).bfloat16() for _ in widths)
+    layer.lora_b_stacked = tuple((torch.randn(S, 1, n, r, device=device) * 0.1).bfloat16() for n in widths)
+    layer.rlfp8_dora_g, layer.rlfp8_dora_active = torch.ones(S, sum(widths), device=device), False
     return layer
 
 
