@@ -1,6 +1,7 @@
 """CPU proxy of the FP8 training linear's host (Python + aten dispatch) cost per projection call, no GPU needed.
 
     python bench/lab/host_overhead.py [--tokens 64] [--iters 20] [--device cpu|meta] [--baseline] [--top N]
+    python bench/lab/host_overhead.py --engine [...]     the engine's projection instead (engine_host_overhead.py)
 
 Runs lora_linear_triton forward + backward over the quickstart's 7 projection shapes (SmolLM2-135M, LoRA r16)
 with `collect_launches()` active: the Triton launches are recorded, not run, so what is timed is the host code
@@ -81,7 +82,17 @@ def main() -> None:
                     help="meta: nothing computed, but elementwise ops run Python meta functions (slower than CUDA's)")
     ap.add_argument("--baseline", action="store_true", help="kernel knob host_fast=false")
     ap.add_argument("--top", type=int, default=0, help="also print cProfile's top N functions by own time")
+    ap.add_argument("--engine", action="store_true",
+                    help="the engine projection (run_projection) at Qwen3-8B shapes: engine_host_overhead.py")
+    ap.add_argument("--meta-args", type=int, default=7, choices=(6, 7), help="--engine: vLLM meta_args tuple form")
+    ap.add_argument("--pdl", default="gpu", choices=("gpu", "off"), help="--engine: PDL resolved as on an H200, or off")
+    ap.add_argument("--configs", default="h200", choices=("h200", "heuristic"), help="--engine: K2's config table")
+    ap.add_argument("--dump-launches", default=None, help="--engine: write the recorded launches (json) here, to "
+                    "compare two trees")
     args = ap.parse_args()
+    if args.engine:
+        import engine_host_overhead
+        return engine_host_overhead.main(args)
     torch.set_num_threads(1)                         # CPU time of one thread = the host cost (a shared machine)
     from rlfp8.kernels import dispatch
     from rlfp8.kernels._triton_utils import collect_launches

@@ -12,6 +12,7 @@ import torch
 from . import dispatch
 
 _collector: list | None = None
+_launch_sink: list | None = None          # launch_plan.capture: the launches of the call it watches
 
 
 def cdiv(a: int, b: int) -> int:
@@ -28,6 +29,14 @@ def launch(kernel, grid, *args, **kwargs):
     launch_pdl is dropped unless it is True: the interpreter ignores it and on GPU it is only needed on."""
     if kwargs.get("launch_pdl") is False:
         kwargs.pop("launch_pdl")
+    if _launch_sink is not None:
+        _launch_sink.append((kernel, tuple(grid), args, dict(kwargs)))
+        if _collector is None:
+            # the launch itself is what a replay repeats: launch_plan's op watch must not see its internals
+            # (the interpreter's argument copies)
+            from torch.utils._python_dispatch import _disable_current_modes
+            with _disable_current_modes():
+                return kernel[tuple(grid)](*args, **kwargs)
     if _collector is not None:
         _collector.append((kernel, tuple(grid), args, dict(kwargs)))
         return None

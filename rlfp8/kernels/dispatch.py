@@ -99,7 +99,7 @@ def choose_launch(op: str, device: torch.device) -> bool:
     knob `pdl` (kernels.pdl / RLFP8_PDL); records "<op>.launch" = pdl | stream. pdl=on where PDL cannot run
     raises, naming the knob and the reason."""
     mode = knobs().pdl
-    why = None if mode == "off" else pdl_unavailable(torch.device(device))
+    why = None if mode == "off" else _pdl_unavailable_once(device)
     if mode == "on" and why is not None:
         raise RuntimeError(f"rlfp8.kernels.{op}: kernel knob pdl=on (kernels.pdl / RLFP8_PDL) but {why}; "
                            "use pdl=auto or off")
@@ -108,10 +108,40 @@ def choose_launch(op: str, device: torch.device) -> bool:
     return use
 
 
+# (device, interpreter on) -> pdl_unavailable's answer: a device's capability and this Triton build do not change
+# within a process, and the GPU answer cost a device-properties query and an import per projection call
+_pdl_why: dict[tuple[torch.device, bool], str | None] = {}
+
+
+def _pdl_unavailable_once(device) -> str | None:
+    key = (device if isinstance(device, torch.device) else torch.device(device), triton_interpreting())
+    try:
+        return _pdl_why[key]
+    except KeyError:
+        why = _pdl_why[key] = pdl_unavailable(key[0])
+        return why
+
+
+def reset_pdl_cache() -> None:
+    """Forget the per-device PDL answers (tests that fake a GPU or patch pdl_unavailable)."""
+    _pdl_why.clear()
+
+
+_record_sink: list | None = None           # launch_plan.capture: the records of the call it watches
+
+
 def record(op: str, path: str) -> None:
     if _ran[op][path] == 0:
         log.info("rlfp8.kernels: %s runs on %s", op, path)
     _ran[op][path] += 1
+    if _record_sink is not None:
+        _record_sink.append((op, path))
+
+
+def replay_records(pairs) -> None:
+    """The records of a replayed launch plan (rlfp8.kernels.launch_plan): the same counts as its call made."""
+    for op, path in pairs:
+        _ran[op][path] += 1
 
 
 def report() -> dict[str, dict[str, int]]:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import check_tensor, launch, next_pow2, require_triton_device
+from ._triton_utils import cdiv, check_tensor, launch, next_pow2, require_triton_device
 from .fp8_ref import ACT_ROUNDING, FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 ROUNDING_CODE = {"div": 1, "recip": 2}
@@ -103,7 +103,7 @@ def quantize_rows_triton(x: torch.Tensor, rounding: str, op: str) -> tuple[torch
     if M == 0 or K == 0:
         return q, s.fill_(MIN_SCALE)
     bm, bk, nw = _quant_config(M, K)
-    launch(_quant_rows_kernel, (triton.cdiv(M, bm),), x, q, s, M, K, x.stride(0), x.stride(1),
+    launch(_quant_rows_kernel, (cdiv(M, bm),), x, q, s, M, K, x.stride(0), x.stride(1),
            q.stride(0), q.stride(1), s.stride(0), BLOCK_M=bm, BLOCK_K=bk, ROUNDING=ROUNDING_CODE[rounding],
            num_warps=nw)
     return q, s

@@ -34,7 +34,7 @@ from .knobs import knobs
 
 __all__ = ["GLUON_SCHEDULE", "GemmConfig", "INVARIANT_SCHEDULES", "M_BUCKETS", "NUM_SMS_HINT", "RANK_CHUNK",
            "WIDENINGS", "ReductionSchedule", "SM90_MAX_SMEM", "batch_invariant", "block_r", "cached_launch_config",
-           "config_key", "fit_smem", "rank_chunk",
+           "config_generation", "config_key", "fit_smem", "rank_chunk",
            "gemm_config", "invariant_gemm_config", "m_bucket", "n_class", "reduction_schedule", "reload_tuned_table",
            "schedule_of", "smem_bytes", "tuned_table_path"]
 
@@ -126,10 +126,19 @@ def _tuned_table(device) -> dict:
 
 
 def reload_tuned_table() -> None:
-    global _tuned
+    global _tuned, _generation
     _tuned = None
     _invariant.clear()
     _launch_configs.clear()
+    _generation += 1
+
+
+_generation = 0
+
+
+def config_generation() -> int:
+    """Bumped by reload_tuned_table: a cache of launches chosen from the configs (launch plans) keys on it."""
+    return _generation
 
 
 _launch_configs: dict = {}

@@ -52,10 +52,10 @@ class KernelKnobs:
     # count (gemm_configs.reduction_schedule): "auto" = for the W8A16 calls (the matched engine and the FP8
     # trainer's forward), "on" = W8A8 too, "off" = the tuned per-token-count configs everywhere
     batch_invariant: str = "auto"
-    # the training linear's host fast paths (same bits): per-parameter cached adapter casts, the backward's
-    # side stream only where it can overlap (linear_triton), K2's launch config chosen once per shape and
-    # token bucket, K1's h unfilled without metadata; False = the plain path (the baseline arm of
-    # bench/lab/host_overhead.py and trainer_trace.py)
+    # the host fast paths (same bits): per-parameter cached adapter casts, the backward's side stream only where
+    # it can overlap (linear_triton), K2's launch config chosen once per shape and token bucket, K1's h unfilled
+    # without metadata; the engine projection's launch plans (rlfp8.kernels.launch_plan, rollout/lora_layers);
+    # False = the plain path (the baseline arm of bench/lab/host_overhead.py, trainer_trace.py, engine_host_gpu.py)
     host_fast: bool = True
 
 

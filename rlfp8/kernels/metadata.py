@@ -48,6 +48,12 @@ class LoRAMeta:
         """Grid size over segments (-1 segment included, as vLLM counts it)."""
         return int(self.num_active_loras_cpu.item())
 
+    def tensors(self) -> tuple:
+        """Every field, in declaration order (the per-call inputs of a launch plan)."""
+        return (self.token_lora_mapping, self.token_indices_sorted_by_lora_ids, self.active_lora_ids,
+                self.num_tokens_per_lora, self.lora_token_start_loc, self.no_lora_flag_cpu,
+                self.num_active_loras_cpu)
+
     def validate(self, op: str, M: int) -> None:
         if self.token_lora_mapping.shape[0] != M or self.token_indices_sorted_by_lora_ids.shape[0] != M:
             raise ValueError(

@@ -36,7 +36,7 @@ import triton.language as tl
 from . import dispatch
 from ._triton_utils import cdiv, check_pdl, launch, require_triton_device, split_counters
 from .fp8_ref import FP8_DTYPE
-from .gemm_configs import batch_invariant, block_r
+from .gemm_configs import batch_invariant, block_r, cached_launch_config
 from .knobs import knobs
 from .fp8_triton import ROUNDING_CODE, _quant_config, _quant_rows_tile, quantize_rows_triton
 from .shrink_ref import ShrinkOut, a_slices, check_lora_shrink_args
@@ -99,7 +99,9 @@ def _pick_shrink_config(config, M: int, K: int, r: int, quant) -> ShrinkConfig:
                     else "tuned")
     if config is not None:
         return config
-    return invariant_shrink_config(K, r) if invariant else shrink_config(M, K, r)
+    if invariant:               # both choices are pure functions of their arguments: chosen once per key
+        return cached_launch_config((OP, "invariant", K, r), lambda: invariant_shrink_config(K, r))
+    return cached_launch_config((OP, "per_t", M, K, r), lambda: shrink_config(M, K, r))
 
 
 # Ranks per program (a function of BLOCK_R alone): above it a tile's ranks go to several programs (the kernel).

@@ -14,16 +14,25 @@ build the per-token slot indices of the CPU punica wrapper, sorted into the same
 """
 from __future__ import annotations
 
+import logging
+import math
+
 import torch
 
+from rlfp8.kernels import _triton_utils, build_lora_meta, dispatch, launch_plan
+from rlfp8.kernels._triton_utils import stacked_view
+from rlfp8.kernels.gemm_configs import config_generation
+from rlfp8.kernels.knobs import knobs
+
+from .quant_method import project
+from .vllm_lora_meta import lora_meta_from_vllm
+
+log = logging.getLogger("rlfp8.rollout")
 OP_NAME = "rlfp8_lora_linear"
 _LAYERS: list[type] = []
 
 
 def _lora_meta(layer, num_tokens: int):
-    from rlfp8.kernels import build_lora_meta
-
-    from .vllm_lora_meta import lora_meta_from_vllm
     pw = layer.punica_wrapper
     kernel_meta = getattr(pw, "token_mapping_meta", None)
     if kernel_meta is not None:                                           # GPU punica wrapper
@@ -33,19 +42,90 @@ def _lora_meta(layer, num_tokens: int):
     return build_lora_meta(slots, layer.lora_a_stacked[0].shape[0])
 
 
+def adapter_views(layer) -> tuple[tuple, tuple]:
+    """(A, B): 3-D views [S, r, K] / [S, N_l, r] of vLLM's stacked slices [S, 1, ., .], made once per layer
+    (a slice view cost ~2.5 us each per call, 6 per qkv call): vLLM writes adapters into these tensors in place
+    (adapter_slots.py copies into the slots), so views of them stay current; a replaced stack tensor makes new
+    views (the cache holds the tensors it viewed and compares identities)."""
+    a, b = layer.lora_a_stacked, layer.lora_b_stacked
+    cached = layer.__dict__.get("_rlfp8_adapter_views")
+    if (cached is not None and len(cached[0]) == len(a) and len(cached[1]) == len(b)
+            and all(x is y for x, y in zip(cached[0], a)) and all(x is y for x, y in zip(cached[1], b))):
+        return cached[2], cached[3]
+    views = (tuple(stacked_view("engine.projection", f"lora_a_stacked[{i}]", t, None) for i, t in enumerate(a)),
+             tuple(stacked_view("engine.projection", f"lora_b_stacked[{i}]", t, None) for i, t in enumerate(b)))
+    layer.__dict__["_rlfp8_adapter_views"] = (tuple(a), tuple(b), *views)
+    return views
+
+
 def run_projection(layer, x: torch.Tensor) -> torch.Tensor:
-    """The fused projection of one LoRA layer (eager body of the custom op)."""
-    from .quant_method import project
+    """The fused projection of one LoRA layer (eager body of the custom op). With the kernel knob host_fast its
+    launches are recorded once per (layer, call key) and replayed (`_planned`); dispatch records
+    "engine.host_plan" = replay | capture | direct."""
     base = layer.base_layer
     bias = base.bias if not base.skip_bias_add else None
-    x2 = x.reshape(-1, x.shape[-1])
-    meta = _lora_meta(layer, x2.shape[0])
+    meta = _lora_meta(layer, math.prod(x.shape[:-1]))
+    mode = base.quant_method.mode
     if meta.no_lora:
-        return project(x, base, base.quant_method.mode, bias=bias)
-    g = getattr(layer, "rlfp8_dora_g", None)
-    g = g if getattr(layer, "rlfp8_dora_active", False) else None
-    return project(x, base, base.quant_method.mode, A=layer.lora_a_stacked, B=layer.lora_b_stacked, meta=meta,
-                   g=g, bias=bias)
+        A = B = g = kmeta = None
+    else:
+        g = getattr(layer, "rlfp8_dora_g", None)
+        g = g if getattr(layer, "rlfp8_dora_active", False) else None
+        A, B = adapter_views(layer)
+        kmeta = meta
+
+    def call():
+        return project(x, base, mode, A=A, B=B, meta=kmeta, g=g, bias=bias)
+
+    if not knobs().host_fast:
+        dispatch.record("engine.host_plan", "direct")
+        return call()
+    # the knobs object too: the key holds only its id, the identity check makes a reused id harmless
+    return _planned(layer, x, kmeta, (base.weight, base.weight_scale, bias, A, B, g, knobs()), call)
+
+
+# Plans kept per layer (oldest dropped first): a decode batch's token count changes as sequences finish
+PLANS_PER_LAYER = 64
+# Captures tried per key before it runs direct for good (a first call may zero the cached split-K counters)
+CAPTURE_TRIES = 3
+
+
+def _call_key(x: torch.Tensor, meta) -> tuple:
+    """Everything the projection's launches read besides the layer's tensors and the inputs' contents: x's
+    layout, the adapters' segment count, the knobs, the interpreter and collector state, the config tables."""
+    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16, None if meta is None else meta.num_active,
+            id(knobs()), dispatch.triton_interpreting(), _triton_utils._collector is not None, config_generation())
+
+
+def _planned(layer, x, meta, static: tuple, call):
+    """call() through the layer's launch plan for this key: replayed when one exists for the same layer tensors
+    (`static`, compared by identity, and the weight's address), else captured (rlfp8.kernels.launch_plan)."""
+    plans = layer.__dict__.setdefault("_rlfp8_plans", {})
+    key = _call_key(x, meta)
+    entry = plans.get(key)
+    inputs = (x,) if meta is None else (x, *meta.tensors())
+    weight_ptr = static[0].data_ptr()
+    same_layer = entry is not None and entry[0] == weight_ptr and all(a is b for a, b in zip(entry[1], static))
+    if same_layer and entry[2] is not None:
+        dispatch.record("engine.host_plan", "replay")
+        return entry[2].replay(inputs)
+    # no capture: of an empty call, past the tries, or inside a CUDA graph (a plan would hold the graph's buffers)
+    if (not x.numel() or (same_layer and entry[3] >= CAPTURE_TRIES)
+            or (x.is_cuda and torch.cuda.is_current_stream_capturing())):
+        dispatch.record("engine.host_plan", "direct")
+        return call()
+    tries = entry[3] if same_layer else 0
+    readable = () if meta is None else (meta.no_lora_flag_cpu, meta.num_active_loras_cpu)
+    with launch_plan.capture(inputs, readable) as cap:
+        y = call()
+    plan = cap.plan(y)
+    if plan is None:
+        log.debug("rlfp8: %s not replayable: %s", getattr(layer, "rlfp8_layer_name", "layer"), cap.why)
+    if key not in plans and len(plans) >= PLANS_PER_LAYER:
+        del plans[next(iter(plans))]
+    plans[key] = (weight_ptr, static, plan, tries + 1)
+    dispatch.record("engine.host_plan", "capture")
+    return y
 
 
 def _op_impl(x: torch.Tensor, layer_name: str, out_features: int) -> torch.Tensor:

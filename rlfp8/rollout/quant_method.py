@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rlfp8.kernels import dispatch
+from rlfp8.kernels import dispatch, fp8_lora_linear
 
 # quantization name -> kernel mode
 MODES = {"rlfp8": "w8a16", "rlfp8_w8a8": "w8a8"}
@@ -114,10 +114,9 @@ def _dummy_weight(layer) -> None:
 def project(x: torch.Tensor, layer, mode: str, *, A=None, B=None, meta=None, g=None, bias=None) -> torch.Tensor:
     """One engine projection on the layer's FP8 codes: rlfp8.kernels.fp8_lora_linear (K1 + K2), Triton on CUDA,
     the torch references on the CPU; the dispatch records which path ran (engine.kernel_report())."""
-    from rlfp8.kernels import fp8_lora_linear
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    flat = x.dim() == 2                 # vLLM's [T, K]: no reshapes (an aten call each)
+    x2 = x if flat else x.reshape(-1, x.shape[-1])
     dispatch.record("engine.projection", mode)
     y = fp8_lora_linear(x2, layer.weight, layer.weight_scale, A, B, meta, mode=mode, g=g, bias=bias,
                         out_dtype=x.dtype if x.dtype != torch.float8_e4m3fn else torch.bfloat16)
-    return y.reshape(*lead, y.shape[-1])
+    return y if flat else y.reshape(*x.shape[:-1], y.shape[-1])

@@ -21,8 +21,10 @@ pytestmark = pytest.mark.skipif(HAS_CUDA, reason="CPU resolution of the knob (te
 def _restore():
     saved = knobs.set_knobs()
     dispatch.reset_report()
+    dispatch.reset_pdl_cache()          # the tests fake GPUs and patch pdl_unavailable: no answer may outlive one
     yield
     knobs.restore_knobs(saved)
+    dispatch.reset_pdl_cache()
 
 
 def _problem(M=5, K=1024, widths=(32, 16, 16), S=2, r=16, seed=0):
@@ -38,6 +40,7 @@ def _problem(M=5, K=1024, widths=(32, 16, 16), S=2, r=16, seed=0):
 
 def _fake_gpu(monkeypatch, capability):
     """Make pdl_unavailable see a CUDA device of `capability` outside the interpreter (no GPU needed)."""
+    dispatch.reset_pdl_cache()
     monkeypatch.setattr(dispatch, "triton_interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "FakeGPU")
