@@ -27,7 +27,7 @@
 #            on the Qwen3-8B shape (background); tarred to checks.tgz
 #   round_timing  one call, nothing else on the GPU: the step profile (quickstart, probe overlap on and off),
 #            bench/dora.py at r = 64 and 384, the training linear's per-kernel profile
-#   round_graphs  one call: the decode-graphs engine's GPU test, then placements_8b (a, d, e) in that mode
+#   round_graphs  one call: the decode-graphs engine's and launch plans' GPU tests, then placements_8b (a, d, e)
 #   round_dora    one call: the DoRA / Gluon main-loop GPU tests, then bench/dora.py (r = 64/384/512) and the profile
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -210,11 +210,14 @@ round_timing)
         > "$OUT/linear_profile.log" 2>&1; echo "linear_profile rc=$?"; tail -40 "$OUT/linear_profile.log"
     ;;
 round_graphs)  # one call: the plugin engine with decode graphs and no torch.compile (engine.compile=false, the GPU
-               # test), then issue 14's 8B table in that mode in what is left (P_CONFIGS, default a,d,e)
+               # test), the eager host launch plans' GPU test, then issue 14's 8B table in that mode in what is left
+               # (P_CONFIGS, default a,d,e)
     mkdir -p "$OUT/r"
     timeout 120 $PY -m pytest tests/gpu/test_plugin_gpu.py -m gpu -k decode_graphs -q -rs --timeout 115 \
         > "$OUT/gpu_decode_graphs_test.log" 2>&1; rc=$?; echo "decode graphs test rc=$rc"; tail -5 "$OUT/gpu_decode_graphs_test.log"
     [ $rc = 0 ] || P_EXTRA="${P_EXTRA:+$P_EXTRA,}engine.enforce_eager=true"   # graphs failed: the table in eager mode
+    timeout 100 $PY -m pytest tests/gpu/test_launch_plan_gpu.py -m gpu -q -rs --timeout 95 \
+        > "$OUT/gpu_launch_plan_test.log" 2>&1; echo "launch plan test rc=$?"; tail -3 "$OUT/gpu_launch_plan_test.log"
     left=$((588 - SECONDS)); P_CONFIGS=${P_CONFIGS:-a,d,e} P_TIMEOUT=$left P_BUDGET_S=$((left - 30)) P_EXTRA=${P_EXTRA:-} \
         bash "$0" placements_8b
     ;;
