@@ -187,7 +187,7 @@ def launch_signature(records) -> list:
 
 def main(args) -> None:
     """The --engine mode of bench/lab/host_overhead.py (its arguments)."""
-    from host_overhead import binder_us
+    from triton_binder import binder_us
     from rlfp8.kernels import dispatch
     from rlfp8.kernels.knobs import set_knobs
     torch.set_num_threads(1)

@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
+from triton_binder import binder_us
 
 # (name, N, K) of SmolLM2-135M's projections (hidden 576, 9 heads / 3 KV heads of 64, MLP 1536)
 QUICKSTART_SHAPES = (("q", 576, 576), ("k", 192, 576), ("v", 192, 576), ("o", 576, 576),
@@ -53,24 +54,6 @@ def one_pass(mods, xs) -> None:
     """Forward every projection, then one backward through all of them (as a layer's would)."""
     outs = [m(x) for m, x in zip(mods, xs)]
     torch.autograd.backward(outs, [torch.ones_like(y) for y in outs])
-
-
-def binder_us(records, reps: int = 200) -> float:
-    """Mean microseconds of Triton's argument binder+specializer (what JITFunction.run calls first) per
-    recorded launch, for an sm_90 target."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.runtime.jit import create_function_from_signature
-    backend = make_backend(GPUTarget("cuda", 90, 32))
-    total = 0.0
-    for kern, _grid, args, kw in records:
-        binder = create_function_from_signature(kern.signature, kern.params, backend)
-        kw = {k: v for k, v in kw.items() if k != "launch_pdl"}
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            binder(*args, **kw)
-        total += (time.perf_counter() - t0) / reps
-    return 1e6 * total / max(1, len(records))
 
 
 def main() -> None:
