@@ -16,7 +16,7 @@ programs exit at once, so those rows of h are never written.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -50,9 +50,7 @@ class LoRAMeta:
 
     def tensors(self) -> tuple:
         """Every field, in declaration order (the per-call inputs of a launch plan)."""
-        return (self.token_lora_mapping, self.token_indices_sorted_by_lora_ids, self.active_lora_ids,
-                self.num_tokens_per_lora, self.lora_token_start_loc, self.no_lora_flag_cpu,
-                self.num_active_loras_cpu)
+        return tuple(getattr(self, f.name) for f in fields(self))
 
     def validate(self, op: str, M: int) -> None:
         if self.token_lora_mapping.shape[0] != M or self.token_indices_sorted_by_lora_ids.shape[0] != M:
