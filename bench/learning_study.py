@@ -51,21 +51,21 @@ OPTIONAL_ARMS: dict[str, list[str]] = {
     "w8a8_none": ["engine.precision=w8a8", "algo.correction=none"],    # the uncorrected W8A8 reference
 }
 # Every run: small KV caches so several runs share one GPU (vLLM's memory profiling asserts otherwise with
-# concurrent engines), decode steps as CUDA graphs without torch.compile (engine.compile=false: seconds of
-# capture at start; eager decode is host-bound and nine runs share the host's 16 cores; STUDY_EXTRA
-# engine.enforce_eager=true restores the eager engines of the 2026-12-01 studies),
-# held-out eval every 5 steps for the curves, the same held-out prompts (data.seed) everywhere.
+# concurrent engines), eager engines (the 2026-12-02 study ran eager: the decode-graphs GPU test had not passed
+# yet, and seeds added later pool with it only under the same engine mode: CUDA graphs pad a batch to a captured
+# size, which can pick another kernel schedule), held-out eval every 5 steps for the curves, the same held-out
+# prompts (data.seed) everywhere.
 # No KV release: with several runs on one GPU a neighbour takes the memory a released cache frees, and the
 # resume fails (one of the nine runs of 2026-12-01); the release does not change what a run computes.
-COMMON = ["engine.kv_cache_memory_gb=4", "engine.enforce_eager=false", "engine.compile=false",
-          "engine.release_kv=false", "eval_every=5",
+COMMON = ["engine.kv_cache_memory_gb=4", "engine.enforce_eager=true", "engine.release_kv=false", "eval_every=5",
           "data.seed=0"]
 # The task: two-digit addition (the quickstart's one-digit task ends at 100% held-out for every arm, which
 # makes any arm "within the spread"). SmolLM2-135M answers 18% of 100 held-out prompts greedily before
 # training; on this CPU (float32) it reached 60% at step 5 and 66% at step 15 (bench/README.md).
 # 400 held-out prompts: the H200 study of 2026-12-01 (100 prompts, 3 seeds) had a seed-to-seed spread of 6.6
 # points at step 20: ~4.5 of it (in quadrature) the eval's binomial noise at 100 prompts, ~4.8 RL's own.
-TASK = ["data.digits=2", "data.eval_size=400", "steps=20"]
+# 32 prompts a step (twice the quickstart's): a larger batch lowers RL's own noise (2026-12-02 study).
+TASK = ["data.digits=2", "data.eval_size=400", "data.prompts_per_step=32", "steps=20"]
 MARGIN_POINTS = 5.0
 MIN_GAIN_POINTS, SATURATED = 20.0, 0.95       # the task: bf16 gains >= 20 points and ends below 95% (task_check)
 LAST_TRAIN_STEPS = 3
