@@ -23,7 +23,9 @@ independent samples, Welch-Satterthwaite df) is reported beside it. With 3 seeds
 only 10 distinct resamples per arm and understates the spread; t intervals are wider and honest about it.
 Verdict against +-MARGIN_POINTS: `inside` (the interval lies within),
 `outside` (it lies entirely beyond), `inconclusive` (it straddles a bound: more seeds needed),
-`insufficient` (fewer than 2 seeds in an arm).
+`insufficient` (fewer than 2 seeds in an arm). Beside each paired interval, `seeds_needed`: how many seeds the
+interval would need to lie inside +-MARGIN_POINTS if the per-seed differences kept their mean and spread (a plan
+for the next calls, never a verdict).
 
 Writes the JSON (arms, per-seed values, comparisons) and a PNG beside it: train and held-out reward curves
 per arm, mean over seeds with a min-max band.
@@ -227,7 +229,20 @@ def paired_difference(arm: dict[int, float], base: dict[int, float], level: floa
     (ma, va), (mb, vb) = _mean_var([arm[s] for s in seeds]), _mean_var([base[s] for s in seeds])
     cov = sum((arm[s] - ma) * (base[s] - mb) for s in seeds) / (len(d) - 1)
     corr = cov / math.sqrt(va * vb) if va > 0 and vb > 0 else None
-    return {**out, "ci": [m - half, m + half], "df": len(d) - 1, "se": se, "correlation": corr}
+    return {**out, "ci": [m - half, m + half], "df": len(d) - 1, "se": se, "sd": math.sqrt(v), "correlation": corr}
+
+
+def seeds_needed(diff: float, sd: float, margin: float = MARGIN_POINTS, level: float = 0.95,
+                 most: int = 200) -> int | None:
+    """Planning, not a verdict: the fewest seeds n for which the paired interval would lie inside +-margin if the
+    per-seed differences kept this mean and standard deviation (|diff| + t(n-1) sd / sqrt(n) <= margin).
+    None when |diff| >= margin (no number of seeds brings the interval inside) or more than `most` are needed."""
+    if abs(diff) >= margin:
+        return None
+    for n in range(2, most + 1):
+        if abs(diff) + student_t_quantile(0.5 + level / 2, n - 1) * sd / math.sqrt(n) <= margin:
+            return n
+    return None
 
 
 def verdict(ci: list[float] | None, margin: float = MARGIN_POINTS) -> str:
@@ -286,7 +301,9 @@ def compare(arms: dict[str, list[RunCurve]], margin: float) -> dict:
             paired = paired_difference(mine, base)
             welch = welch_difference(list(mine.values()), list(base.values()))
             welch["verdict"] = verdict(welch["ci"], margin)
-            out[arm][metric] = {**paired, "verdict": verdict(paired["ci"], margin), "welch": welch}
+            need = seeds_needed(paired["diff"], paired["sd"], margin) if "sd" in paired else None
+            out[arm][metric] = {**paired, "verdict": verdict(paired["ci"], margin), "seeds_needed": need,
+                                "welch": welch}
     return out
 
 
@@ -357,13 +374,14 @@ def text_table(result: dict) -> str:
         return "-" if r["ci"] is None else f"[{r['ci'][0]:+.1f}, {r['ci'][1]:+.1f}]"
 
     lines = [f"{'arm':<16}{'metric':<13}{'diff pts':>9}  {'95% CI (paired)':<18}{'verdict':<13}{'corr':>6}  "
-             f"{'95% CI (Welch)':<18}{'verdict':<13}"]
+             f"{'95% CI (Welch)':<18}{'verdict':<13}{'seeds for +-margin':>19}"]
     for arm, per in result["comparisons"].items():
         for metric, r in per.items():
             diff = "-" if r["diff"] is None else f"{r['diff']:+.1f}"
             corr = "-" if r.get("correlation") is None else f"{r['correlation']:+.2f}"
+            need = "-" if r.get("seeds_needed") is None else str(r["seeds_needed"])
             lines.append(f"{arm:<16}{metric:<13}{diff:>9}  {ci(r):<18}{r['verdict']:<13}{corr:>6}  "
-                         f"{ci(r['welch']):<18}{r['welch']['verdict']:<13}{r.get('note', '')}")
+                         f"{ci(r['welch']):<18}{r['welch']['verdict']:<13}{need:>19}{r.get('note', '')}")
     return "\n".join(lines)
 
 

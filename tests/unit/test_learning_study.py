@@ -178,3 +178,16 @@ def test_paired_difference_by_hand_and_against_welch(ls):
     assert ls.verdict(r["ci"]) == "inside"
     assert ls.verdict(ls.welch_difference(list(arm.values()), [70.0, 90.0, 80.0])["ci"]) == "inconclusive"
     assert ls.paired_difference({0: 1.0}, {0: 2.0})["ci"] is None
+
+
+def test_seeds_needed_plans_from_the_observed_spread(ls):
+    # sd 3.3, mean -0.8 (the 2026-12-02 matched arm): n = 4 gives 0.8 + 3.182 * 3.3 / 2 = 6.05 > 5
+    n = ls.seeds_needed(-0.8, 3.3)
+    assert n is not None and n > 4
+    t = ls.student_t_quantile
+    assert 0.8 + t(0.975, n - 1) * 3.3 / math.sqrt(n) <= 5.0 < 0.8 + t(0.975, n - 2) * 3.3 / math.sqrt(n - 1)
+    assert ls.seeds_needed(5.5, 1.0) is None                       # the mean alone is beyond the margin
+    assert ls.seeds_needed(0.0, 0.0) == 2
+    assert ls.seeds_needed(4.99, 50.0) is None                      # more than `most` seeds
+    r = ls.paired_difference({0: 71.0, 1: 91.0, 2: 79.0}, {0: 70.0, 1: 90.0, 2: 80.0})
+    assert r["sd"] == pytest.approx(math.sqrt(4 / 3))
