@@ -99,6 +99,7 @@ ACCEPTANCE = {"shape": "qwen3_32b", "response_len": 4096, "ours": "a", "baseline
               "kv_ratio_min": 1.5}
 # Wall-time model (seconds) behind --budget-s and the dry run's estimates: from the H200 runs where measured
 # (bench/results/step_profile_qwen3_8b_one_copy_w8a16.json, gpu_logs_h200/*.log), assumed where not (marked).
+VLLM_OWN_PRECISIONS = ("bf16", "w8a8_vllm")     # engines on vLLM's own linear path (no rlfp8 kernels)
 TIME_MODEL = {
     "process_s": 15.0,            # interpreter, imports, local Ray instance (assumed)
     "engine_start_s": 25.0,       # vLLM eager start: 7.5-14 s at 8B ("engine ready", the 8B table) + the profile run
@@ -107,10 +108,11 @@ TIME_MODEL = {
     "pin_gib_per_s": 5.0,         # offloaded: pinning its host copy at set-up (assumed)
     "move_gib_per_s": 20.0,       # offloaded: pinned host <-> device, per direction (assumed; PCIe 5 x16)
     # a decode step at <= 64 sequences, per step + per decoder layer, by --engine-mode: eager is host-bound (the
-    # 8B table's slowest, ours with the adapter: 115 ms = 4 + 36 x 3.1); with graphs (assumed: the 8B profile's
-    # graphs took 7.6 ms per step, at batch 1)
-    "decode_ms_fixed": {"eager": 4.0, "decode_graphs": 2.0, "compiled": 2.0},
-    "decode_ms_per_layer": {"eager": 3.1, "decode_graphs": 0.25, "compiled": 0.25},
+    # 8B table's slowest, ours with the adapter: 115 ms = 4 + 36 x 3.1; vLLM's own engines, bf16 and w8a8_vllm:
+    # 39-41 ms = 4 + 36 x 1.0, "eager_vllm"); with graphs (assumed: the 8B profile's graphs took 7.6 ms per step,
+    # at batch 1)
+    "decode_ms_fixed": {"eager": 4.0, "eager_vllm": 4.0, "decode_graphs": 2.0, "compiled": 2.0},
+    "decode_ms_per_layer": {"eager": 3.1, "eager_vllm": 1.0, "decode_graphs": 0.25, "compiled": 0.25},
     "graph_capture_s": {"eager": 0.0, "decode_graphs": 20.0, "compiled": 150.0},   # per engine start (assumed)
     "train_tokens_per_s_8b": 6750.0,   # train/tokens_per_s, steps 2-3 of the 8B profile; scaled by 1 / parameters
     "sync_s_per_gib": 3.0,        # adapter export + transfer + slot write per GiB of fp32 adapter (upper)
@@ -237,7 +239,8 @@ def estimate_wall_s(cfg: dict, arch: dict, plan: dict, compile_s: float) -> dict
     samples = int(cfg["data"]["prompts_per_step"]) * int(cfg["algo"]["group_size"])
     waves = max(1.0, plan["kv_needed_gib"] / max(plan["kv_budget_gib"], 1e-9))    # host-bound: fewer at once
     mode = engine_mode(cfg)
-    rollout = response * (m["decode_ms_fixed"][mode] + m["decode_ms_per_layer"][mode] * layers) / 1e3 * waves
+    decode = "eager_vllm" if mode == "eager" and cfg["engine"]["precision"] in VLLM_OWN_PRECISIONS else mode
+    rollout = response * (m["decode_ms_fixed"][decode] + m["decode_ms_per_layer"][decode] * layers) / 1e3 * waves
     train = samples * (response + 40) / (m["train_tokens_per_s_8b"] * PARAMS_8B / _parameters(arch))
     sync = plan["train_parts_gib"]["trainer_optimizer"] / 4 * m["sync_s_per_gib"]
     moves = 2 * plan["host_pinned_gib"] / m["move_gib_per_s"]

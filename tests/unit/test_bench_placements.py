@@ -179,3 +179,17 @@ def test_engine_mode_sets_the_engine_keys_and_the_rollout_estimate(tmp_path):
         est[mode] = bench.estimate_wall_s(cfg, arch, bench.memory_plan("a", cfg, arch, 139.8, 128.0), 0.0)
     assert est["eager"]["rollout_s"] > 5 * est["decode_graphs"]["rollout_s"]        # host-bound eager decode
     assert est["compiled"]["start_s"] > est["decode_graphs"]["start_s"] > est["eager"]["start_s"]
+
+
+def test_eager_estimate_separates_vllm_own_engines_from_ours(tmp_path):
+    """Eager decode steps at 8B: ours (K1 + K2 launched from Python) 115 ms, vLLM's own bf16 / FP8 39-41 ms
+    (H200 session 4): one eager cost for both overestimated (d) and (e) 1.7x and skipped them in session 5."""
+    from rlfp8.models import architecture_config
+    arch = architecture_config("qwen3_8b")
+    rollout = {}
+    for name in ("a", "d", "e"):
+        args = _args("--shape", "qwen3_8b", "--engine-mode", "eager")
+        cfg = bench.compose(bench.overrides(args, name, tmp_path / name, 50.0))
+        rollout[name] = bench.estimate_wall_s(cfg, arch, bench.memory_plan(name, cfg, arch, 139.8, 128.0), 0.0)["rollout_s"]
+    assert rollout["d"] == rollout["e"] and rollout["a"] > 2.5 * rollout["d"]
+    assert 35 < rollout["d"] < 50                                 # 1024 steps x 40 ms: session 4's 40.0 / 41.8 s
