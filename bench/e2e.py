@@ -7,7 +7,11 @@
 
 Each --run is NAME:comma-separated overrides for `rlfp8-train` (recipe=quickstart unless given).
 Every run is a separate process (its own Ray instance); a failing run is recorded with its error and
-the others still run; --parallel N runs N at once (learning checks; their step times share the device). Per run: mean step times (rollout / train / sync / step, first step excluded
+the others still run; --parallel N runs N at once (learning checks; their step times share the device), starting the
+next as soon as any finishes. A run that stops out of device memory (rlfp8-train's exit status 4, the memory plan
+printed) while others share the device is queued again (--retry-oom times, default 1) and the number of runs at once
+drops by one, so the retry starts when the device has room; its first attempt is kept as NAME.oomK (folder and log)
+and recorded under `attempts`. Per run: mean step times (rollout / train / sync / step, first step excluded
 when there are more than two), peak device memory per actor, eval reward before/after, the last
 train reward, the mean of mismatch/kl_k3 and mismatch/abs_logp_diff_mean, and the wall time.
 """
@@ -54,6 +58,10 @@ def summarize(run_dir: Path) -> dict:
     }
 
 
+TRAIN_COMMAND = [sys.executable, "-m", "rlfp8.train"]
+EXIT_OUT_OF_MEMORY = 4          # rlfp8.train.main: OutOfMemoryPlanError
+
+
 def _start(spec: str, runs_root: str):
     """Launch one `rlfp8-train` process for NAME:overrides; its output goes to <runs_root>/<NAME>.log."""
     name, _, ov = spec.partition(":")
@@ -61,15 +69,25 @@ def _start(spec: str, runs_root: str):
     if not any(o.startswith("recipe=") for o in overrides):
         overrides.insert(0, "recipe=quickstart")
     run_dir = Path(runs_root) / name
-    cmd = [sys.executable, "-m", "rlfp8.train", f"run_dir={run_dir}", "logger.wandb.mode=offline", *overrides]
+    cmd = [*TRAIN_COMMAND, f"run_dir={run_dir}", "logger.wandb.mode=offline", *overrides]
     print(f"== {name}: {' '.join(cmd)}", flush=True)
     log_path = Path(runs_root) / f"{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     p = subprocess.Popen(cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, text=True, env={**os.environ})
-    return name, overrides, p, time.time(), log_path
+    return {"spec": spec, "name": name, "overrides": overrides, "process": p, "t0": time.time(), "log": log_path}
 
 
-def main() -> int:
+def _set_aside(runs_root: str, name: str, attempt: int) -> str:
+    """Move a failed attempt's folder and log to NAME.oomK so its retry starts clean; returns the new name."""
+    kept = f"{name}.oom{attempt}"
+    for src, dst in ((Path(runs_root) / name, Path(runs_root) / kept),
+                     (Path(runs_root) / f"{name}.log", Path(runs_root) / f"{kept}.log")):
+        if src.exists():
+            src.rename(dst)
+    return kept
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--run", action="append", required=True, help="NAME:override,override,...")
@@ -77,33 +95,51 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=900, help="seconds per run")
     ap.add_argument("--parallel", type=int, default=1,
                     help="runs at once (each its own process and Ray instance; step times then share the device)")
-    args = ap.parse_args()
-    result = {"command": " ".join([sys.executable] + sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "versions": versions(), "runs": {}}
-    runs = [_start(spec, args.runs_root) for spec in args.run[: args.parallel]]
-    pending = list(args.run[args.parallel:])
-    while runs:
-        name, overrides, p, t0, log_path = runs.pop(0)
-        try:
-            p.wait(timeout=max(args.timeout - (time.time() - t0), 1))
-        except subprocess.TimeoutExpired:
-            p.kill()
+    ap.add_argument("--retry-oom", type=int, default=1,
+                    help="times a run that stopped out of device memory beside others is queued again")
+    ap.add_argument("--poll-s", type=float, default=2.0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    result = {"command": " ".join([sys.executable] + (sys.argv if argv is None else ["bench/e2e.py", *argv])),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "versions": versions(), "runs": {}}
+    pending, running, limit = list(args.run), [], max(1, args.parallel)
+    oom_attempts: dict[str, int] = {}
+    while pending or running:
+        while pending and len(running) < limit:
+            running.append(_start(pending.pop(0), args.runs_root))
+        time.sleep(args.poll_s if all(r["process"].poll() is None for r in running) else 0)
+        for run in [r for r in running if r["process"].poll() is not None
+                    or time.time() - r["t0"] > args.timeout]:
+            running.remove(run)
+            p = run["process"]
+            if p.poll() is None:                                   # past --timeout
+                p.kill()
             p.wait()
-        entry = {"overrides": overrides, "returncode": p.returncode, "wall_s": round(time.time() - t0, 1),
-                 "concurrent_runs": args.parallel}
-        run_dir = Path(args.runs_root) / name
-        if (run_dir / "metrics.jsonl").exists():
-            entry.update(summarize(run_dir))
-        if p.returncode != 0:
-            entry["error_tail"] = log_path.read_text()[-2500:]
-        result["runs"][name] = entry
-        print(json.dumps(entry, indent=1)[:3000], flush=True)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
-        if pending:
-            runs.append(_start(pending.pop(0), args.runs_root))
+            name = run["name"]
+            entry = {"overrides": run["overrides"], "returncode": p.returncode,
+                     "wall_s": round(time.time() - run["t0"], 1), "concurrent_runs": args.parallel}
+            run_dir = Path(args.runs_root) / name
+            if (run_dir / "metrics.jsonl").exists():
+                entry.update(summarize(run_dir))
+            if p.returncode != 0:
+                entry["error_tail"] = run["log"].read_text()[-2500:]
+            shared = len(running) > 0 or limit > 1
+            if (p.returncode == EXIT_OUT_OF_MEMORY and shared
+                    and oom_attempts.get(name, 0) < args.retry_oom):
+                oom_attempts[name] = oom_attempts.get(name, 0) + 1
+                entry["kept_as"] = _set_aside(args.runs_root, name, oom_attempts[name])
+                limit = max(1, limit - 1)
+                result["runs"].setdefault(name, {}).setdefault("attempts", []).append(entry)
+                pending.append(run["spec"])
+                print(f"== {name}: out of device memory beside {len(running)} runs; queued again, "
+                      f"{limit} at once from now (first attempt kept as {entry['kept_as']})", flush=True)
+            else:
+                attempts = result["runs"].get(name, {}).get("attempts")
+                result["runs"][name] = {**entry, **({"attempts": attempts} if attempts else {})}
+                print(json.dumps(entry, indent=1)[:3000], flush=True)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
-    return 0 if all(r["returncode"] == 0 for r in result["runs"].values()) else 1
+    return 0 if all(r.get("returncode") == 0 for r in result["runs"].values()) else 1
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ MARGIN_POINTS = 5.0
 MIN_GAIN_POINTS, SATURATED = 20.0, 0.95       # the task: bf16 gains >= 20 points and ends below 95% (task_check)
 LAST_TRAIN_STEPS = 3
 RUN_NAME = re.compile(r"^(?P<arm>[A-Za-z0-9_]+?)__s(?P<seed>\d+)$")
+SET_ASIDE = re.compile(r"\.oom\d+$")            # NAME.oomK: bench/e2e.py kept a failed attempt before its retry
 
 
 # ------------------------------------------------------------------ run specs
@@ -114,7 +115,10 @@ def metrics_files(paths: list[str]) -> list[tuple[str, Path]]:
             found.append((p.name, p / "metrics.jsonl"))
         elif p.is_dir():
             found += [(f.name.removesuffix(".metrics.jsonl"), f) for f in sorted(p.glob("*.metrics.jsonl"))]
-            found += [(d.name, d / "metrics.jsonl") for d in sorted(p.iterdir()) if (d / "metrics.jsonl").is_file()]
+            runs = [d for d in sorted(p.iterdir()) if (d / "metrics.jsonl").is_file()]
+            for d in [d for d in runs if SET_ASIDE.search(d.name)]:       # bench/e2e.py's failed attempts
+                print(f"learning_study: {d}: an attempt set aside (out of memory, retried): not counted")
+            found += [(d.name, d / "metrics.jsonl") for d in runs if not SET_ASIDE.search(d.name)]
         else:
             raise SystemExit(f"learning_study: {p}: no such file or folder")
     return found

@@ -191,3 +191,15 @@ def test_seeds_needed_plans_from_the_observed_spread(ls):
     assert ls.seeds_needed(4.99, 50.0) is None                      # more than `most` seeds
     r = ls.paired_difference({0: 71.0, 1: 91.0, 2: 79.0}, {0: 70.0, 1: 90.0, 2: 80.0})
     assert r["sd"] == pytest.approx(math.sqrt(4 / 3))
+
+
+def test_attempts_set_aside_by_e2e_are_not_counted(ls, tmp_path, capsys):
+    runs = synthetic_study(tmp_path)
+    write_run(runs, "bf16__s1.oom1", 0.10, 0.10, evals=(0,))     # bench/e2e.py's first attempt, out of memory
+    out = tmp_path / "learning.json"
+    assert ls.main(["analyze", "--out", str(out), str(runs)]) == 0
+    assert "bf16__s1.oom1" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["arms"]["bf16"]["per_seed"]["final_eval"]["1"] == pytest.approx(0.96)
+    with pytest.raises(SystemExit, match="not ARM__sSEED"):       # named explicitly, it is still refused
+        ls.main(["analyze", "--out", str(out), str(runs / "bf16__s1.oom1")])
