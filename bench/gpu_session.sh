@@ -9,7 +9,8 @@
 #            bench/results/kernels_h200.json; TUNE_S / TUNE_KEYS control the tuning)
 #   e2e      bench/e2e.py: tiny end to end, then the quickstart with engine.precision=bf16 and w8a8
 #   plugin   the vLLM plugin's GPU tests (matched layer stack, vLLM 0.26 eager and CUDA graphs)
-#   serve    bench/serve.py (ENGINES=comma list; appends to bench/results/serve_h200.json under $OUT)
+#   serve    bench/serve.py (ENGINES=comma list; appends to bench/results/serve_h200.json under $OUT;
+#            SERVE_GRAPHS=decode: decode graphs without torch.compile, serve_decode_h200.json)
 #   profile  bench/step_profile.py on the quickstart: default, then PROFILE_VARIANTS="label:ov,ov;label:ov"
 #   learn    bench/e2e.py --parallel: RUNS="name:ov,ov name:ov" learning runs at once (LEARN_PARALLEL)
 #   diagnose rlfp8-diagnose (MODEL=smollm2 | qwen3_8b_shape; extra overrides as arguments), report under $OUT/diagnose_$MODEL
@@ -70,9 +71,10 @@ e2e)
 plugin)
     timeout 400 $PY -m pytest tests/gpu/test_plugin_gpu.py -m gpu -q -rs -x --timeout 380 2>&1 | tee "$OUT/plugin_tests.log" | tail -25
     ;;
-serve)
-    mkdir -p "$OUT/r"; [ -f "$OUT/r/serve_h200.json" ] || cp bench/results/serve_h200.json "$OUT/r/" 2>/dev/null
-    timeout 560 $PY bench/serve.py --out "$OUT/r/serve_h200.json" --engines "${ENGINES:-ours_w8a16,vllm_bf16}" 2>&1 | tail -40
+serve)     # SERVE_GRAPHS=decode: every engine with decode graphs and no torch.compile (seconds per start; own file)
+    mkdir -p "$OUT/r"; g=${SERVE_GRAPHS:-compiled}; f=serve_h200.json; [ "$g" = compiled ] || f=serve_${g}_h200.json
+    [ -f "$OUT/r/$f" ] || cp "bench/results/$f" "$OUT/r/" 2>/dev/null
+    timeout 560 $PY bench/serve.py --out "$OUT/r/$f" --graphs "$g" --engines "${ENGINES:-ours_w8a16,vllm_bf16}" 2>&1 | tail -40
     cp /tmp/rlfp8-serve/*.log "$OUT/" 2>/dev/null
     ;;
 profile)   # bench/step_profile.py on the quickstart (default config, then PROFILE_VARIANTS: "label:ov,ov;label:ov")

@@ -4,7 +4,8 @@
 
 Model: random weights in the Qwen3-8B shape (rlfp8/models/qwen3_8b.json, load_format="dummy", no tokenizer),
 rank-64 adapters on all seven projections, CUDA graphs (torch.compile + graph capture at the listed batch
-sizes; the same settings for every engine). Engines:
+sizes; --graphs decode: full graphs of decode steps without torch.compile; the same settings for every engine).
+Engines:
   ours_w8a16  quantization="rlfp8"          matched engine: FP8 weights, bf16 activations, rlfp8 K1+K2
   ours_w8a8   quantization="rlfp8_w8a8"     FP8 activations per token, rlfp8 K1+K2
   vllm_fp8    quantization="fp8_per_channel" vLLM's CUTLASS FP8 GEMM + its Triton LoRA kernels (baseline)
@@ -61,7 +62,14 @@ def make_adapter(folder: Path, cfg: dict, rank: int) -> Path:
     return folder
 
 
-def run_engine(name: str, model_dir: str, adapter_dir: str, rank: int, out: str) -> None:
+GRAPH_MODES = {   # the same for every engine of one run
+    "compiled": {"cudagraph_capture_sizes": CAPTURE},                        # vLLM's default: torch.compile + graphs
+    "decode": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",              # full graphs of decode steps, no
+               "cudagraph_capture_sizes": CAPTURE},                          # torch.compile: seconds per start
+}
+
+
+def run_engine(name: str, model_dir: str, adapter_dir: str, rank: int, out: str, graphs: str = "compiled") -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
     quant = ENGINES[name]
@@ -74,7 +82,7 @@ def run_engine(name: str, model_dir: str, adapter_dir: str, rank: int, out: str)
     kw = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024,
               max_num_seqs=256, enable_lora=True, max_loras=32, max_cpu_loras=32, max_lora_rank=rank,
               enable_prefix_caching=False, gpu_memory_utilization=0.85, seed=0,
-              compilation_config={"cudagraph_capture_sizes": CAPTURE})
+              compilation_config=dict(GRAPH_MODES[graphs]))
     if quant:
         kw["quantization"] = quant
     llm = LLM(**kw)
@@ -112,7 +120,7 @@ def run_engine(name: str, model_dir: str, adapter_dir: str, rank: int, out: str)
         dt, n = timed(prompts, sp, lora)
         return n / dt
 
-    res = {"engine": name, "quantization": quant, "start_s": round(start_s, 1),
+    res = {"engine": name, "quantization": quant, "graphs": graphs, "start_s": round(start_s, 1),
            "tpot_ms": {"base": tpot(None), "lora1": tpot(loras[0])},
            "tput_tok_s": {"base": throughput(0), "tenants32": throughput(32)}}
     from rlfp8.kernels import dispatch
@@ -143,29 +151,38 @@ def ratios(r: dict) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--rank", type=int, default=64)
     ap.add_argument("--work", default="/tmp/rlfp8-serve")
+    ap.add_argument("--graphs", default="compiled", choices=list(GRAPH_MODES),
+                    help="compiled: torch.compile + CUDA graphs (vLLM's default, minutes per start; the issue's "
+                         "numbers); decode: full CUDA graphs of decode steps without torch.compile (seconds)")
     ap.add_argument("--one", help=argparse.SUPPRESS)           # internal: run one engine in this process
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     work = Path(args.work)
     from rlfp8.models import architecture_config, random_model_folder
     model_dir = random_model_folder("qwen3_8b", work / "qwen3_8b")
     if args.one:
-        run_engine(args.one, str(model_dir), str(work / "adapter"), args.rank, str(work / f"{args.one}.json"))
+        run_engine(args.one, str(model_dir), str(work / "adapter"), args.rank, str(work / f"{args.one}.json"),
+                   args.graphs)
         return 0
-    make_adapter(work / "adapter", architecture_config("qwen3_8b"), args.rank)
     out = Path(args.out)
-    result = json.loads(out.read_text()) if out.exists() else {"engines": {}}
-    result.update({"command": " ".join([sys.executable] + sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S")})
+    result = json.loads(out.read_text()) if out.exists() else {"engines": {}, "graphs": args.graphs}
+    if result.get("graphs", "compiled") != args.graphs:
+        raise SystemExit(f"--out {out} holds engines run with --graphs {result.get('graphs', 'compiled')}; ratios "
+                         f"compare one mode: give another --out for --graphs {args.graphs}")
+    unknown = [n for n in args.engines.split(",") if n not in ENGINES]
+    if unknown:
+        raise SystemExit(f"--engines: {unknown} not in {list(ENGINES)}")
+    make_adapter(work / "adapter", architecture_config("qwen3_8b"), args.rank)
+    result.update({"command": " ".join([sys.executable] + sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                   "graphs": args.graphs})
     for name in args.engines.split(","):
-        if name not in ENGINES:
-            raise SystemExit(f"--engines: {name!r} is not one of {list(ENGINES)}")
         p = subprocess.run([sys.executable, __file__, "--out", args.out, "--one", name, "--rank", str(args.rank),
-                            "--work", str(work)], capture_output=True, text=True)
+                            "--work", str(work), "--graphs", args.graphs], capture_output=True, text=True)
         (work / f"{name}.log").write_text(p.stdout + "\n---- stderr ----\n" + p.stderr)
         part = work / f"{name}.json"
         result["engines"][name] = (json.loads(part.read_text()) if p.returncode == 0 and part.exists()

@@ -1,0 +1,39 @@
+"""bench/serve.py without a GPU: the ratios it reports (ours / the baseline, same metric) and its refusals before
+any engine starts (an --out file of another graph mode, an unknown engine)."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture()
+def serve():
+    spec = importlib.util.spec_from_file_location("bench_serve", ROOT / "bench" / "serve.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ratios_are_ours_over_the_baseline(serve):
+    engines = {"ours_w8a8": {"tpot_ms": {"lora1": 5.0, "base": 4.0}, "tput_tok_s": {"tenants32": 6000.0}},
+               "vllm_fp8": {"tpot_ms": {"lora1": 7.5, "base": 4.0}, "tput_tok_s": {"tenants32": 5000.0}},
+               "vllm_bf16": {"error": "no engine"}}
+    r = serve.ratios(engines)
+    assert r["ours_w8a8_lora1_tpot_vs_vllm_fp8_lora1"] == pytest.approx(5.0 / 7.5)
+    assert r["ours_w8a8_tenants32_tput_vs_vllm_fp8"] == pytest.approx(1.2)
+    assert r["ours_w8a8_base_tpot_vs_vllm_fp8"] == pytest.approx(1.0)
+    assert not any(k.startswith("ours_w8a16") for k in r)          # an engine that failed gives no ratio
+
+
+def test_one_file_holds_one_graph_mode(serve, tmp_path):
+    out = tmp_path / "serve.json"
+    out.write_text(json.dumps({"engines": {"vllm_fp8": {}}}))       # written before --graphs existed: compiled
+    with pytest.raises(SystemExit, match="--graphs compiled.*another --out"):
+        serve.main(["--out", str(out), "--graphs", "decode", "--engines", "vllm_fp8", "--work", str(tmp_path / "w")])
+    with pytest.raises(SystemExit, match="not in"):
+        serve.main(["--out", str(tmp_path / "new.json"), "--engines", "ours_w4", "--work", str(tmp_path / "w")])
+    assert serve.GRAPH_MODES["decode"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    assert serve.GRAPH_MODES["decode"]["cudagraph_capture_sizes"] == serve.GRAPH_MODES["compiled"]["cudagraph_capture_sizes"]
