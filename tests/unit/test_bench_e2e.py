@@ -1,22 +1,18 @@
 """bench/e2e.py's scheduler with a stand-in for rlfp8-train: the next run starts as soon as any finishes, and a
 run that stops out of device memory beside others is set aside, queued again once, with one run fewer at once."""
-import importlib.util
 import json
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench_scripts import load_bench_script
+
 
 
 @pytest.fixture()
 def e2e():
-    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "bench" / "e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench_script("e2e")
 
 
 FAKE_TRAIN = textwrap.dedent('''

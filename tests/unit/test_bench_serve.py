@@ -1,20 +1,16 @@
 """bench/serve.py without a GPU: the ratios it reports (ours / the baseline, same metric) and its refusals before
 any engine starts (an --out file of another graph mode, an unknown engine)."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench_scripts import load_bench_script
+
 
 
 @pytest.fixture()
 def serve():
-    spec = importlib.util.spec_from_file_location("bench_serve", ROOT / "bench" / "serve.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench_script("serve")
 
 
 def test_ratios_are_ours_over_the_baseline(serve):

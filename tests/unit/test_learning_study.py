@@ -1,7 +1,6 @@
 """bench/learning_study.py: the Welch interval and its verdicts on synthetic metrics files (an arm far below
 bf16 is `outside`, one at bf16's level `inside`, a noisy one `inconclusive`), the files it refuses or leaves
 out, the plot, and bench/gpu_session.sh's `study` stage command line (dry run; every arm composes)."""
-import importlib.util
 import json
 import math
 import os
@@ -12,17 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench_scripts import load_bench_script
+
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "learning_study.py"
 
 
 @pytest.fixture(scope="module")
 def ls():
-    spec = importlib.util.spec_from_file_location("learning_study", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["learning_study"] = mod          # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench_script("learning_study")
 
 
 def write_run(folder: Path, name: str, final_eval: float, train_end: float, steps: int = 20, evals=(0, 10, 20)):

@@ -1,19 +1,15 @@
 """bench/step_profile.py's accounting: a call's Ray overhead is its driver wall time minus its actor's phases,
 and the rows add up to the step."""
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "step_profile.py"
+from tests.bench_scripts import load_bench_script
+
 
 
 @pytest.fixture(scope="module")
 def step_profile():
-    spec = importlib.util.spec_from_file_location("step_profile", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench_script("step_profile")
 
 
 def test_breakdown_charges_ray_overhead_and_adds_up(step_profile):
