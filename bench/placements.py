@@ -2,6 +2,7 @@
 
     python bench/placements.py --shape qwen3_32b --response-len 4096 --configs a,b,d --out /tmp/p32.json
     python bench/placements.py --shape qwen3_8b --response-len 1024 --out /tmp/p8.json      # all five
+    python bench/placements.py --shape llama3_8b --response-len 1024 --out /tmp/pl8.json    # qwen2_5_7b likewise
     python bench/placements.py --shape qwen3_32b --response-len 4096 --dry-run                 # the plan only
 
 Configurations (CONFIGS below, the one place they are defined):
@@ -77,7 +78,8 @@ CONFIGS: dict[str, dict] = {
           "overrides": ["placement=offloaded", "engine.precision=w8a8_vllm", "trainer.weights=bf16",
                         "algo.correction=tis"]},
 }
-SHAPE_CONFIGS = {"qwen3_8b": "a,b,c,d,e", "qwen3_32b": "a,b,d"}      # the issue's: all at 8B; a, b, d at 32B
+SHAPE_CONFIGS = {"qwen3_8b": "a,b,c,d,e", "qwen3_32b": "a,b,d",      # the issue's: all at 8B; a, b, d at 32B
+                 "llama3_8b": "a,b,c,d,e", "qwen2_5_7b": "a,b,c,d,e"}    # the other 8B-class families
 COMMON = ["recipe=qwen3_8b_math", "data=arithmetic", "data.digits=3", "data.seed=0", "data.eval_size=0",
           "data.prompts_per_step=8", "algo.group_size=8", "engine.max_num_seqs=64", "model.dtype=bfloat16",
           "engine.parity_probe.every=0", "eval_every=0", "save_every=0", "logger.wandb.mode=disabled"]

@@ -2,8 +2,8 @@
 holding a copy.
 
 `export_weights(model)` returns, for every projection computed by rlfp8's quant method, the handles of its codes
-`weight` [N, K] e4m3 and scales `weight_scale` [N] fp32, and the row widths of the slices packed in it (qkv:
-q, k, v; gate_up: gate, up), keyed by vLLM's module name:
+`weight` [N, K] e4m3 and scales `weight_scale` [N] fp32 (and of its `bias` [N] where it has one: Qwen2's q/k/v),
+and the row widths of the slices packed in it (qkv: q, k, v; gate_up: gate, up), keyed by vLLM's module name:
   - on a GPU, CUDA IPC handles (torch.multiprocessing.reductions.reduce_tensor): the rlfp8 plugin keeps
     weights out of vLLM's cuMem pool, whose memory legacy IPC cannot share;
   - on a CPU machine, the tensors are moved once into files in /dev/shm (the engine's parameters then live in
@@ -42,10 +42,11 @@ def _to_shared_file(t: torch.Tensor, path: Path) -> torch.Tensor:
 
 
 def export_weights(model, scratch: str | os.PathLike | None = None, dense: bool = False) -> dict:
-    """{"projections": {vLLM module name -> {"weight": handle, "weight_scale": handle, "widths": [rows per packed
-    slice]}}, "dense": {parameter name -> handle}}. dense=True (random-weight models, whose other tensors exist
-    nowhere else) also exports every other parameter (embeddings, norms, lm_head; vLLM's LoRA wrappers' names
-    without ".base_layer"), so the trainer computes on exactly the engine's model."""
+    """{"projections": {vLLM module name -> {"weight": handle, "weight_scale": handle, "bias": handle (only where
+    the projection has one), "widths": [rows per packed slice]}}, "dense": {parameter name -> handle}}.
+    dense=True (random-weight models, whose other tensors exist nowhere else) also exports every other parameter
+    (embeddings, norms, lm_head; vLLM's LoRA wrappers' names without ".base_layer"), so the trainer computes on
+    exactly the engine's model."""
     mods = _rlfp8_linears(model)
     if not mods:
         raise RuntimeError("export_weights: the engine holds no rlfp8-quantized projections; one_copy needs "
@@ -58,8 +59,9 @@ def export_weights(model, scratch: str | os.PathLike | None = None, dense: bool 
         folder.mkdir(parents=True, exist_ok=True)
     for name, mod in mods.items():
         entry = {"widths": list(getattr(mod, "logical_widths", [mod.weight.shape[0]]))}
-        for part in ("weight", "weight_scale"):
-            entry[part] = _handle(getattr(mod, part), folder, f"{name}.{part}")
+        for part in ("weight", "weight_scale", "bias"):
+            if getattr(mod, part, None) is not None:       # a bias only where the architecture has one
+                entry[part] = _handle(getattr(mod, part), folder, f"{name}.{part}")
         out[name] = entry
     dense_out = {}
     if dense:

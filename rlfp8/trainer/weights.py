@@ -102,9 +102,10 @@ class OffloadOnload(QuantizeFromCheckpoint):
 class MapHandedOver(BaseWeightSource):
     """one_copy: the adapted projections alias the engine's FP8 codes and scales (handles from the engine's
     export_weights: CUDA IPC on a GPU, /dev/shm files on a CPU machine); q/k/v and gate/up are row views of
-    the engine's fused tensors. The rest of the model (embeddings, norms, lm_head) is loaded as usual; the
-    16-bit projection weights are read on the host and dropped, never moved to the device. A random-weight
-    model has no checkpoint: the rest is mapped from the engine too (its export's "dense" part)."""
+    the engine's fused tensors, and so are their biases where the architecture has them (Qwen2's q/k/v). The
+    rest of the model (embeddings, norms, lm_head) is loaded as usual; the 16-bit projection weights are read on
+    the host and dropped, never moved to the device. A random-weight model has no checkpoint: the rest is mapped
+    from the engine too (its export's "dense" part)."""
     name = "map"
 
     def __init__(self, handles: dict | None = None):
@@ -130,13 +131,15 @@ class MapHandedOver(BaseWeightSource):
             if name not in views:
                 raise ValueError(f"one_copy: the engine exported no FP8 codes for {name} (exported: "
                                  f"{sorted(views)[:4]}...)")
-            q, scale = views[name]
+            q, scale, bias = views[name]
             mod = cls(module.in_features, module.out_features, int(acfg["rank"]), float(acfg["alpha"]),
                       bool(acfg["use_rslora"]), "fp8")
             mod.qweight, mod.weight_scale = q, scale
-            if module.bias is not None:
-                mod.bias = module.bias.detach().to(device).clone() if not module.bias.is_meta else \
-                    torch.zeros(module.out_features, device=device, dtype=dtype)
+            if (module.bias is not None) != (bias is not None):
+                raise ValueError(f"one_copy: {name} has {'a' if module.bias is not None else 'no'} bias in the "
+                                 f"trainer's model but the engine exported {'one' if bias is not None else 'none'}")
+            if bias is not None:     # the engine's values (a random model's exist nowhere else), aliased
+                mod.bias = bias.to(device=device, dtype=dtype)
             mod.to(device)
             if hasattr(mod, "init_magnitude"):
                 mod.init_magnitude()
@@ -153,19 +156,21 @@ class MapHandedOver(BaseWeightSource):
         model.config.use_cache = False
         return model, replaced
 
-    def _row_views(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """HF projection name -> (codes, scales), row views of the engine's (possibly fused) tensors."""
+    def _row_views(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """HF projection name -> (codes, scales, bias or None), row views of the engine's (possibly fused) tensors."""
         from rlfp8.shared_tensors import PACKED_MODULES
         views = {}
         for vname, entry in self.handles["projections"].items():
             q, scale = map_handle(entry["weight"]), map_handle(entry["weight_scale"])
+            bias = map_handle(entry["bias"]) if "bias" in entry else None
             parent, _, last = vname.rpartition(".")
             subs = PACKED_MODULES.get(last, [last])
             if len(subs) != len(entry["widths"]):
                 raise ValueError(f"one_copy: {vname} packs {entry['widths']} rows but {subs} were expected")
             start = 0
             for sub, width in zip(subs, entry["widths"]):
-                views[f"{parent}.{sub}"] = (q[start:start + width], scale[start:start + width])
+                rows = slice(start, start + width)
+                views[f"{parent}.{sub}"] = (q[rows], scale[rows], None if bias is None else bias[rows])
                 start += width
         return views
 

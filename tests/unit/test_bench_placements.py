@@ -52,16 +52,18 @@ def test_bad_configuration_and_missing_out_are_refused():
         bench.parse_args(["--shape", "qwen3_8b"])
 
 
-def test_every_kv_cache_is_what_its_placement_leaves_of_the_same_usable_memory():
+@pytest.mark.parametrize("shape", ["qwen3_8b", "llama3_8b", "qwen2_5_7b"])
+def test_every_kv_cache_is_what_its_placement_leaves_of_the_same_usable_memory(shape):
+    assert _args("--shape", shape).configs == list("abcde")           # every configuration at an 8B-class shape
     usable = bench.USABLE_FRACTION * bench.H200_DEVICE_GIB - bench.ENGINE_RUNTIME_GIB
     for name in "abcde":
-        _, plan = _planned("qwen3_8b", name)
+        _, plan = _planned(shape, name)
         parts = [plan["rollout_parts_gib"]] + ([] if plan["kv_released_while_training"] else [plan["train_parts_gib"]])
         assert plan["kv_budget_gib"] + max(sum(p.values()) for p in parts) == pytest.approx(usable), name
         assert plan["refused"] is None and plan["kv_budget_gib"] > plan["kv_needed_gib"], name
-    _, a = _planned("qwen3_8b", "a")
-    _, c = _planned("qwen3_8b", "c")
-    _, d = _planned("qwen3_8b", "d")
+    _, a = _planned(shape, "a")
+    _, c = _planned(shape, "c")
+    _, d = _planned(shape, "d")
     assert a["kv_budget_gib"] > c["kv_budget_gib"] > d["kv_budget_gib"]      # one copy > two FP8 > two bf16
     assert d["host_pinned_gib"] == pytest.approx(d["train_parts_gib"]["trainer_base"]) and a["host_pinned_gib"] == 0
 
