@@ -80,7 +80,7 @@ UNSUPPORTED = "cannot work"
 @dataclass(frozen=True)
 class Unavailable:
     """A combination rejected at composition: every key=value in `when` holds and `reason` applies
-    (NOT_BUILT: everywhere; NEEDS_CUDA: where torch sees no CUDA device)."""
+    (UNSUPPORTED and NOT_BUILT: everywhere; NEEDS_CUDA: where torch sees no CUDA device)."""
     when: dict[str, Any]
     reason: str
     what: str
