@@ -1,8 +1,9 @@
-"""What the RL loop (and later the one-copy and many-GPU work) may ask of a rollout engine.
+"""What the RL loop and the placements may ask of a rollout engine.
 
 An adapter update is {"version": int, "tensors": {PEFT key name: CPU tensor}, "config": PEFT
-adapter_config dict}, as rlfp8.trainer's export_adapter produces it. release_kv / resume_kv /
-export_weights belong to the one-copy placement and may raise NotImplementedError until it is built.
+adapter_config dict}, as rlfp8.trainer's export_adapter produces it; set_adapter writes it in place into the
+engine's resident slot. release_kv / resume_kv (vLLM's sleep mode: a GPU) and export_weights (rlfp8's FP8
+codes) serve the one-copy placement.
 """
 from __future__ import annotations
 
