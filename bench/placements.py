@@ -101,7 +101,6 @@ ACCEPTANCE = {"shape": "qwen3_32b", "response_len": 4096, "ours": "a", "baseline
               "kv_ratio_min": 1.5}
 # Wall-time model (seconds) behind --budget-s and the dry run's estimates: from the H200 runs where measured
 # (bench/results/step_profile_qwen3_8b_one_copy_w8a16.json, gpu_logs_h200/*.log), assumed where not (marked).
-VLLM_OWN_PRECISIONS = ("bf16", "w8a8_vllm")     # engines on vLLM's own linear path (no rlfp8 kernels)
 TIME_MODEL = {
     "process_s": 15.0,            # interpreter, imports, local Ray instance (assumed)
     "engine_start_s": 25.0,       # vLLM eager start: 7.5-14 s at 8B ("engine ready", the 8B table) + the profile run
@@ -240,6 +239,7 @@ def estimate_wall_s(cfg: dict, arch: dict, plan: dict, compile_s: float) -> dict
     response = int(cfg["algo"]["max_response_len"])
     samples = int(cfg["data"]["prompts_per_step"]) * int(cfg["algo"]["group_size"])
     waves = max(1.0, plan["kv_needed_gib"] / max(plan["kv_budget_gib"], 1e-9))    # host-bound: fewer at once
+    from rlfp8.rollout.compat import VLLM_OWN_PRECISIONS
     mode = engine_mode(cfg)
     decode = "eager_vllm" if mode == "eager" and cfg["engine"]["precision"] in VLLM_OWN_PRECISIONS else mode
     rollout = response * (m["decode_ms_fixed"][decode] + m["decode_ms_per_layer"][decode] * layers) / 1e3 * waves

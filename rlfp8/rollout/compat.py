@@ -44,6 +44,7 @@ def engine_env(cpu_kv_cache_gb: float) -> dict[str, str]:
 
 
 PRECISIONS = ("bf16", "w8a16", "w8a8", "w8a8_vllm")
+VLLM_OWN_PRECISIONS = ("bf16", "w8a8_vllm")     # on vLLM's own linear and LoRA path (no rlfp8 kernels)
 
 
 def quantization_for(precision: str) -> str | None:
