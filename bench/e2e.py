@@ -102,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": " ".join([sys.executable] + (sys.argv if argv is None else ["bench/e2e.py", *argv])),
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "versions": versions(), "runs": {}}
     pending, running, limit = list(args.run), [], max(1, args.parallel)
-    oom_attempts: dict[str, int] = {}
     while pending or running:
         while pending and len(running) < limit:
             running.append(_start(pending.pop(0), args.runs_root))
@@ -122,18 +121,16 @@ def main(argv: list[str] | None = None) -> int:
                 entry.update(summarize(run_dir))
             if p.returncode != 0:
                 entry["error_tail"] = run["log"].read_text()[-2500:]
+            attempts = result["runs"].setdefault(name, {}).setdefault("attempts", [])
             shared = len(running) > 0 or limit > 1
-            if (p.returncode == EXIT_OUT_OF_MEMORY and shared
-                    and oom_attempts.get(name, 0) < args.retry_oom):
-                oom_attempts[name] = oom_attempts.get(name, 0) + 1
-                entry["kept_as"] = _set_aside(args.runs_root, name, oom_attempts[name])
+            if p.returncode == EXIT_OUT_OF_MEMORY and shared and len(attempts) < args.retry_oom:
+                entry["kept_as"] = _set_aside(args.runs_root, name, len(attempts) + 1)
+                attempts.append(entry)
                 limit = max(1, limit - 1)
-                result["runs"].setdefault(name, {}).setdefault("attempts", []).append(entry)
                 pending.append(run["spec"])
                 print(f"== {name}: out of device memory beside {len(running)} runs; queued again, "
                       f"{limit} at once from now (first attempt kept as {entry['kept_as']})", flush=True)
             else:
-                attempts = result["runs"].get(name, {}).get("attempts")
                 result["runs"][name] = {**entry, **({"attempts": attempts} if attempts else {})}
                 print(json.dumps(entry, indent=1)[:3000], flush=True)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
