@@ -32,7 +32,8 @@ rlfp8.memory_plan.estimate (shapes x bytes; the trainer's activations an upper e
 JSON keeps the plan beside what each engine reported (memory/rollout/kv_cache_gib). A configuration whose plan
 leaves no KV cache for one sequence (vLLM cannot start), whose update does not fit, or whose host copy
 (offloaded) exceeds HOST_FRACTION of the host's memory is refused before anything starts, with the parts and the
-keys that size them. `--dry-run` prints every plan, the commands and the estimated wall time, and runs nothing.
+keys that size them; an offloaded one refused on the device also reports what verl's recipe (the engine asleep,
+its weights on the host, while the trainer runs) would pin on the host. `--dry-run` prints every plan, the commands and the estimated wall time, and runs nothing.
 
 Per configuration: the step time split (rollout / train / sync, and the weight moves inside them: time/moves =
 the placement's phase hooks, offloaded's base in and out, one_copy's KV cache out and back), peak device memory
@@ -213,6 +214,15 @@ def memory_plan(name: str, cfg: dict, arch: dict, device_gib: float, host_gib: f
                            f"= {sum(with_kv.values()):.1f} GiB of the usable {usable:.1f} GiB, leaving {kv:.1f} GiB of "
                            f"KV cache, less than one sequence ({per_seq:.2f} GiB at engine.max_model_len="
                            f"{cfg['engine']['max_model_len']})")
+        if offloaded:      # what verl's recipe would need instead: the engine asleep (weights on the host) while training
+            sleep_host = p["engine_weights"] + base
+            plan["engine_sleep_host_gib"] = sleep_host
+            fits = sleep_host <= HOST_FRACTION * host_gib
+            plan["refused"] += (f"; rlfp8's offloaded placement keeps the engine's weights on the device while it "
+                                f"trains (verl's colocated recipe puts the engine to sleep, its weights on the host: "
+                                f"engine_weights {p['engine_weights']:.1f} + trainer_base {base:.1f} = {sleep_host:.1f} "
+                                f"GiB pinned, {'within' if fits else 'more than'} {HOST_FRACTION} x the host's "
+                                f"{host_gib:.1f} GiB)")
     elif released and sum(train.values()) > usable:
         plan["refused"] = (f"{where} cannot fit its update: {_parts(train, cfg)} = {sum(train.values()):.1f} GiB "
                            f"> the usable {usable:.1f} GiB")

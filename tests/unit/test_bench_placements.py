@@ -72,6 +72,12 @@ def test_the_fit_check_refuses_naming_the_configuration_and_the_keys():
     _, d32 = _planned("qwen3_32b", "d")           # two 16-bit copies of 32B: 122 GiB before any KV cache
     assert d32["refused"].startswith("configuration d (offloaded bf16 trainer + bf16 engine (verl)) cannot fit")
     assert "engine.precision=bf16" in d32["refused"] and "trainer.weights=bf16" in d32["refused"]
+    # verl's alternative (engine asleep while training) needs both 16-bit copies pinned on the host: 122 of 128 GiB
+    assert d32["engine_sleep_host_gib"] == pytest.approx(d32["rollout_parts_gib"]["engine_weights"]
+                                                         + d32["train_parts_gib"]["trainer_base"])
+    assert f"= {d32['engine_sleep_host_gib']:.1f} GiB pinned, more than 0.8 x the host's 128.0 GiB" in d32["refused"]
+    _, d32_big_host = _planned("qwen3_32b", "d", host_gib=512.0)
+    assert "GiB pinned, within 0.8 x the host's 512.0 GiB" in d32_big_host["refused"]
     _, a32 = _planned("qwen3_32b", "a")
     assert a32["refused"] is None and a32["kv_budget_gib"] >= a32["kv_needed_gib"]   # the whole 8 x 8 x 4k batch
     _, small = _planned("qwen3_32b", "a", device_gib=40.0)
