@@ -115,10 +115,13 @@ def metrics_files(paths: list[str]) -> list[tuple[str, Path]]:
             found.append((p.name, p / "metrics.jsonl"))
         elif p.is_dir():
             found += [(f.name.removesuffix(".metrics.jsonl"), f) for f in sorted(p.glob("*.metrics.jsonl"))]
-            runs = [d for d in sorted(p.iterdir()) if (d / "metrics.jsonl").is_file()]
-            for d in [d for d in runs if SET_ASIDE.search(d.name)]:       # bench/e2e.py's failed attempts
-                print(f"learning_study: {d}: an attempt set aside (out of memory, retried): not counted")
-            found += [(d.name, d / "metrics.jsonl") for d in runs if not SET_ASIDE.search(d.name)]
+            for d in sorted(p.iterdir()):
+                if not (d / "metrics.jsonl").is_file():
+                    continue
+                if SET_ASIDE.search(d.name):                                # bench/e2e.py's failed attempts
+                    print(f"learning_study: {d}: an attempt set aside (out of memory, retried): not counted")
+                else:
+                    found.append((d.name, d / "metrics.jsonl"))
         else:
             raise SystemExit(f"learning_study: {p}: no such file or folder")
     return found

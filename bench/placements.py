@@ -33,7 +33,8 @@ JSON keeps the plan beside what each engine reported (memory/rollout/kv_cache_gi
 leaves no KV cache for one sequence (vLLM cannot start), whose update does not fit, or whose host copy
 (offloaded) exceeds HOST_FRACTION of the host's memory is refused before anything starts, with the parts and the
 keys that size them; an offloaded one refused on the device also reports what verl's recipe (the engine asleep,
-its weights on the host, while the trainer runs) would pin on the host. `--dry-run` prints every plan, the commands and the estimated wall time, and runs nothing.
+its weights on the host, while the trainer runs) would pin on the host. `--dry-run` prints every plan, the
+commands and the estimated wall time, and runs nothing.
 
 Per configuration: the step time split (rollout / train / sync, and the weight moves inside them: time/moves =
 the placement's phase hooks, offloaded's base in and out, one_copy's KV cache out and back), peak device memory
