@@ -75,10 +75,11 @@ CONFIGS: dict[str, dict] = {
           "overrides": ["placement=two_copies", "engine.precision=w8a16", "trainer.weights=fp8",
                         "algo.correction=none"]},
     "d": {"label": "offloaded bf16 trainer + bf16 engine (verl)",
-          "overrides": ["placement=offloaded", "engine.precision=bf16", "trainer.weights=bf16", "algo.correction=none"]},
+          "overrides": ["placement=offloaded", "engine.precision=bf16", "trainer.weights=bf16", "algo.correction=none",
+                        "engine.release_weights=true"]},
     "e": {"label": "FlashRL: vLLM FP8 engine + bf16 trainer + TIS (offloaded)",
           "overrides": ["placement=offloaded", "engine.precision=w8a8_vllm", "trainer.weights=bf16",
-                        "algo.correction=tis"]},
+                        "algo.correction=tis", "engine.release_weights=true"]},
 }
 SHAPE_CONFIGS = {"qwen3_8b": "a,b,c,d,e", "qwen3_32b": "a,b,d",      # the issue's: all at 8B; a, b, d at 32B
                  "llama3_8b": "a,b,c,d,e", "qwen2_5_7b": "a,b,c,d,e"}    # the other 8B-class families
@@ -92,6 +93,9 @@ PROMPT_TOKENS = 512                 # engine.max_model_len = this + the response
 USABLE_FRACTION = 0.9               # vLLM's default gpu_memory_utilization
 ENGINE_RUNTIME_GIB = 2.0            # the engine's activations (prefill chunk, sampler), outside the KV budget
 HOST_FRACTION = 0.8                 # offloaded: the pinned host copy may take this much of the host's memory
+# engine.release_weights: the moment both bases are on the device holds tensors only (no KV cache, activations or
+# workspaces: the margin USABLE_FRACTION keeps for those is not needed), less two CUDA contexts and the engine's graphs
+BETWEEN_FRACTION = 0.95
 H200_DEVICE_GIB, H200_HOST_GIB = 139.8, 128.0   # torch's total on the H200 (memory/*/total_gib); the lent host
 PHASES = ("rollout", "train", "sync")
 PHASE_KEYS = ("kv_cache_gib", "engine_weights_gib", "engine_peak_gib", "trainer_peak_gib", "trainer_base_gib",
@@ -191,31 +195,42 @@ def compose(ovs: list[str]) -> dict:
 def memory_plan(name: str, cfg: dict, arch: dict, device_gib: float, host_gib: float) -> dict:
     """GiB per part (rlfp8.memory_plan.estimate), what is resident while the KV cache is mapped, the KV budget
     that leaves, and `refused` (a message) when the configuration cannot fit; see the module docstring."""
-    from rlfp8.memory_plan import estimate
+    from rlfp8.memory_plan import estimate, kv_released_while_training
     cfg = {**cfg, "engine": {**cfg["engine"], "kv_cache_memory_gb": None}}      # the batch's need, not a budget
     p = estimate(cfg, arch)
     offloaded = cfg["placement"]["name"] == "offloaded"
-    released = cfg["placement"]["name"] == "one_copy" and cfg["engine"]["release_kv"] in ("auto", True)
+    released = kv_released_while_training(cfg)
+    weights_out = bool(cfg["engine"]["release_weights"])       # the engine's weights on the host while training
     base = p["trainer_base"] + p["trainer_dense"]
-    rollout = {"engine_weights": p["engine_weights"], "engine_lora": p["engine_lora"],
-               "trainer_optimizer": p["trainer_optimizer"], **({} if offloaded else {"trainer_base": base})}
-    train = {"engine_weights": p["engine_weights"], "engine_lora": p["engine_lora"], "trainer_base": base,
-             "trainer_optimizer": p["trainer_optimizer"], "trainer_activations": p["trainer_activations"]}
+    engine = {"engine_weights": p["engine_weights"], "engine_lora": p["engine_lora"]}
+    rollout = {**engine, "trainer_optimizer": p["trainer_optimizer"], **({} if offloaded else {"trainer_base": base})}
+    train = {**({} if weights_out else engine), "trainer_base": base, "trainer_optimizer": p["trainer_optimizer"],
+             "trainer_activations": p["trainer_activations"]}
+    # release_weights: for a moment between the phases both bases are on the device (no KV cache, no activations)
+    between = {**engine, "trainer_base": base, "trainer_optimizer": p["trainer_optimizer"]} if weights_out else {}
     usable = USABLE_FRACTION * device_gib - ENGINE_RUNTIME_GIB
     with_kv = max([rollout] + ([] if released else [train]), key=lambda parts: sum(parts.values()))
     kv = usable - sum(with_kv.values())
     per_seq = p["kv_cache_needed"] / min(int(cfg["engine"]["max_num_seqs"]),
                                          int(cfg["data"]["prompts_per_step"]) * int(cfg["algo"]["group_size"]))
+    # offloaded: the trainer's base on the host while the engine generates; with release_weights the engine's
+    # weights there while the trainer trains, one copy at a time (rlfp8/placement/offloaded.py's order)
+    host = (max(base, p["engine_weights"] + p["engine_lora"]) if weights_out else base) if offloaded else (
+        p["engine_weights"] + p["engine_lora"] if weights_out else 0.0)
     plan = {"usable_gib": usable, "kv_budget_gib": kv, "kv_needed_gib": p["kv_cache_needed"],
             "kv_per_sequence_gib": per_seq, "rollout_parts_gib": rollout, "train_parts_gib": train,
-            "kv_released_while_training": released, "host_pinned_gib": base if offloaded else 0.0, "refused": None}
+            "between_parts_gib": between, "kv_released_while_training": released,
+            "weights_released_while_training": weights_out, "host_pinned_gib": host,
+            "host_moved_gib_per_step": 2 * ((base if offloaded else 0.0) + (engine["engine_weights"] if weights_out
+                                                                           else 0.0)),
+            "refused": None}
     where = f"configuration {name} ({CONFIGS[name]['label']})"
     if kv < per_seq:
         plan["refused"] = (f"{where} cannot fit: with the KV cache mapped it keeps {_parts(with_kv, cfg)} resident "
                            f"= {sum(with_kv.values()):.1f} GiB of the usable {usable:.1f} GiB, leaving {kv:.1f} GiB of "
                            f"KV cache, less than one sequence ({per_seq:.2f} GiB at engine.max_model_len="
                            f"{cfg['engine']['max_model_len']})")
-        if offloaded:      # what verl's recipe would need instead: the engine asleep (weights on the host) while training
+        if offloaded and not weights_out:   # verl's recipe instead: the engine asleep (weights on the host) while training
             sleep_host = p["engine_weights"] + base
             plan["engine_sleep_host_gib"] = sleep_host
             fits = sleep_host <= HOST_FRACTION * host_gib
@@ -227,6 +242,10 @@ def memory_plan(name: str, cfg: dict, arch: dict, device_gib: float, host_gib: f
     elif released and sum(train.values()) > usable:
         plan["refused"] = (f"{where} cannot fit its update: {_parts(train, cfg)} = {sum(train.values()):.1f} GiB "
                            f"> the usable {usable:.1f} GiB")
+    elif sum(between.values()) > BETWEEN_FRACTION * device_gib:
+        plan["refused"] = (f"{where} cannot hold both bases between the phases (engine.release_weights): "
+                           f"{_parts(between, cfg)} = {sum(between.values()):.1f} GiB > {BETWEEN_FRACTION} x the "
+                           f"device's {device_gib:.1f} GiB")
     elif plan["host_pinned_gib"] > HOST_FRACTION * host_gib:
         plan["refused"] = (f"{where} cannot fit its host copy: trainer.weights={cfg['trainer']['weights']} base "
                            f"{base:.1f} GiB > {HOST_FRACTION} x the host's {host_gib:.1f} GiB")
@@ -256,7 +275,9 @@ def estimate_wall_s(cfg: dict, arch: dict, plan: dict, compile_s: float) -> dict
     rollout = response * (m["decode_ms_fixed"][decode] + m["decode_ms_per_layer"][decode] * layers) / 1e3 * waves
     train = samples * (response + 40) / (m["train_tokens_per_s_8b"] * PARAMS_8B / _parameters(arch))
     sync = plan["train_parts_gib"]["trainer_optimizer"] / 4 * m["sync_s_per_gib"]
-    moves = 2 * plan["host_pinned_gib"] / m["move_gib_per_s"]
+    moves = plan["host_moved_gib_per_step"] / m["move_gib_per_s"]
+    if plan["weights_released_while_training"]:     # each side's host pages are returned and pinned again
+        moves += plan["host_moved_gib_per_step"] / 2 / m["pin_gib_per_s"]
     start = (m["process_s"] + m["engine_start_s"] + plan["rollout_parts_gib"]["engine_weights"] * m["engine_s_per_gib"]
              + m["graph_capture_s"][mode] + m["trainer_start_s"] + plan["host_pinned_gib"] / m["pin_gib_per_s"])
     return {"start_s": start, "rollout_s": rollout, "train_s": train, "sync_s": sync, "moves_s": moves,
@@ -456,15 +477,17 @@ def plan_table(entries: dict, steps: int) -> str:
     """Per configuration: planned engine weights, trainer base, optimizer, activations, KV budget / need, and the
     estimated wall time (or why it was refused)."""
     head = ("| config | engine weights GiB | trainer base GiB | optimizer GiB | activations GiB | KV budget / needed "
-            "GiB | KV released in train | est. start / step / run s |")
+            "GiB | released in train | host GiB | est. start / step / run s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, e in entries.items():
         p, t = e["plan"], e["estimate_s"]
-        tr = p["train_parts_gib"]
-        cells = [f"{name}: {CONFIGS[name]['label']}", _fmt(tr["engine_weights"] + tr["engine_lora"]),
+        tr, ro = p["train_parts_gib"], p["rollout_parts_gib"]
+        released = "KV + weights" if p["weights_released_while_training"] else "KV" if p["kv_released_while_training"] \
+            else "no"
+        cells = [f"{name}: {CONFIGS[name]['label']}", _fmt(ro["engine_weights"] + ro["engine_lora"]),
                  _fmt(tr["trainer_base"]), _fmt(tr["trainer_optimizer"]), _fmt(tr["trainer_activations"]),
-                 f"{_fmt(p['kv_budget_gib'])} / {_fmt(p['kv_needed_gib'])}", "yes" if p["kv_released_while_training"]
-                 else "no", "refused" if p["refused"] else f"{t['start_s']:.0f} / {t['step_s']:.0f} / {run_s(t, steps):.0f}"]
+                 f"{_fmt(p['kv_budget_gib'])} / {_fmt(p['kv_needed_gib'])}", released, _fmt(p["host_pinned_gib"]),
+                 "refused" if p["refused"] else f"{t['start_s']:.0f} / {t['step_s']:.0f} / {run_s(t, steps):.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -44,6 +44,7 @@ def choices() -> dict[str, tuple]:
         "model.dtype": ("auto", "bfloat16", "float32"),
         "engine.precision": PRECISIONS,
         "engine.release_kv": ("auto", True, False),
+        "engine.release_weights": (True, False),
         "engine.enforce_eager": ("auto", True, False),
         "engine.compile": (True, False),
         "engine.parity_probe.overlap": ("auto", True, False),
@@ -104,6 +105,13 @@ UNAVAILABLE: tuple[Unavailable, ...] = (
     Unavailable({"engine.precision": "w8a8_vllm"}, NEEDS_CUDA, "w8a8_vllm (vLLM's fp8_per_channel, no CPU kernels)",
                 "engine.precision=w8a8 (rlfp8's kernels, torch references on the CPU), w8a16 or bf16"),
     Unavailable({"trainer.device": "cuda"}, NEEDS_CUDA, "trainer.device=cuda", "trainer.device=auto or cpu"),
+    *(Unavailable({"engine.release_weights": True, "engine.precision": p}, UNSUPPORTED, "(rlfp8's engines keep "
+                  "their FP8 weights outside vLLM's cuMem pool, so that one_copy can map them)", "placement=one_copy "
+                  "(one FP8 copy for both roles), or engine.release_weights=false") for p in ("w8a16", "w8a8")),
+    Unavailable({"engine.release_weights": True, "engine.release_kv": False}, UNSUPPORTED, "(the weights go after "
+                "the KV cache, through the same sleep mode)", "engine.release_kv=auto or true"),
+    Unavailable({"engine.release_weights": True}, NEEDS_CUDA, "engine.release_weights (vLLM's sleep mode: its cuMem "
+                "allocator)", "engine.release_weights=false"),
 )
 
 
@@ -280,6 +288,10 @@ def _check_rules(cfg: DictConfig) -> None:
             "mismatch metrics and importance ratios include that truncation")
     if cfg.engine.parity_probe.size < 1 or cfg.engine.parity_probe.abs_tol < 0:
         raise ConfigError("engine.parity_probe.size must be >= 1 and engine.parity_probe.abs_tol >= 0")
+    if cfg.engine.release_weights and cfg.placement.name == "offloaded" and cfg.engine.parity_probe.every:
+        raise ConfigError("engine.release_weights=true with placement=offloaded needs engine.parity_probe.every=0: "
+                          "the probe's trainer side scores on the device-resident base while the engine's KV cache "
+                          "is mapped, and the two do not fit together there (that is why the weights go to the host)")
     if cfg.algo.max_response_len >= cfg.engine.max_model_len:
         raise ConfigError(f"algo.max_response_len={cfg.algo.max_response_len} must be < engine.max_model_len="
                           f"{cfg.engine.max_model_len} (prompt + response)")

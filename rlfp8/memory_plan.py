@@ -17,7 +17,8 @@ SIZING_KEYS = {
     "rollout": ("engine.max_num_seqs", "engine.max_model_len", "engine.kv_cache_memory_gb",
                 "engine.gpu_memory_utilization", "data.prompts_per_step", "algo.group_size", "algo.max_response_len"),
     "train": ("trainer.micro_batch_tokens", "trainer.gradient_checkpointing", "trainer.logprob_chunk",
-              "engine.release_kv", "adapter.rank", "placement.name", "engine.kv_cache_memory_gb"),
+              "engine.release_kv", "engine.release_weights", "adapter.rank", "placement.name",
+              "engine.kv_cache_memory_gb"),
     "sync": ("adapter.rank", "adapter.target_modules", "engine.kv_cache_memory_gb"),
 }
 # vLLM's messages when the KV cache cannot be sized (it raises ValueError, not torch.OutOfMemoryError)
@@ -109,8 +110,9 @@ def estimate(cfg: dict, arch: dict) -> dict[str, float]:
     """A rough plan (GiB) from the config and the model's HF config dict, before anything runs: engine FP8
     projections (1 byte per weight; a bf16 engine 2) and its other tensors, the KV cache (engine.kv_cache_memory_gb,
     else what the whole batch needs), and the trainer's base (0 with one_copy), its other tensors and an upper
-    estimate of its activations per micro-batch. `peak` adds what is resident at once: with the KV cache released
-    while training, the larger of rollout and train."""
+    estimate of its activations per micro-batch. `peak` is the largest of what is resident at once in rollout (an
+    offloaded base on the host), train (the KV cache unless released, the engine's weights unless released) and,
+    with engine.release_weights, the moment between them when both bases are on the device."""
     gib, h, inter, layers = 2**30, arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"]
     kv_heads = arch["num_key_value_heads"]
     head_dim = arch.get("head_dim") or h // arch["num_attention_heads"]
@@ -135,11 +137,25 @@ def estimate(cfg: dict, arch: dict) -> dict[str, float]:
             "trainer_base": trainer_base / gib, "trainer_dense": trainer_dense / gib, "trainer_activations": acts / gib,
             # the adapter in fp32 with its gradient and AdamW's two moments; the engine's slot in the model dtype
             "trainer_optimizer": adapter * 16 / gib, "engine_lora": adapter * elem / gib}
-    released = one_copy and ecfg["release_kv"] in ("auto", True)
-    rollout = plan["engine_weights"] + plan["kv_cache"] + plan["trainer_base"] + plan["trainer_dense"]
-    train = plan["engine_weights"] + plan["trainer_base"] + plan["trainer_dense"] + plan["trainer_activations"]
-    plan["peak"] = max(rollout, train) if released else rollout + plan["trainer_activations"]
+    released = kv_released_while_training(cfg)
+    weights_out = bool(ecfg["release_weights"])
+    base = plan["trainer_base"] + plan["trainer_dense"]
+    offloaded = cfg["placement"]["name"] == "offloaded"          # its base waits on the host while the engine runs
+    rollout = plan["engine_weights"] + plan["kv_cache"] + (0 if offloaded else base)
+    train = ((0 if weights_out else plan["engine_weights"]) + (0 if released else plan["kv_cache"]) + base
+             + plan["trainer_activations"])
+    # engine.release_weights: between the phases both bases are on the device (no KV cache, no activations)
+    between = plan["engine_weights"] + base if weights_out else 0.0
+    plan["peak"] = max(rollout, train, between)
     return plan
+
+
+def kv_released_while_training(cfg: dict) -> bool:
+    """What rlfp8.rollout.engine.kv_release_enabled will decide on a GPU, from the config alone."""
+    value = cfg["engine"]["release_kv"]
+    if value == "auto":
+        return cfg["placement"]["name"] == "one_copy" or bool(cfg["engine"]["release_weights"])
+    return bool(value)
 
 
 def projection_shapes(arch: dict) -> dict[str, tuple[int, int]]:

@@ -46,6 +46,43 @@ class Placement:
     def settle(self) -> None:
         """Raise if a check started at the last sync failed (waits for it)."""
 
+    # ------------------------------------------------------------------ the engine's memory around training
+    # two_copies and offloaded (one_copy keeps its weights: the trainer computes on them): engine.release_kv frees the
+    # KV cache while the trainer runs; engine.release_weights (vLLM-owned weights) also moves the weights to the host.
+    def read_engine_releases(self) -> None:
+        self.release_kv = bool(call(self.engine.kv_release_enabled))
+        self.release_weights = bool(call(self.engine.weights_release_enabled))
+        self.kv_released = self.weights_released = False
+
+    def engine_out(self, trainer_in=None) -> None:
+        """Before training: the KV cache out, then `trainer_in` (offloaded: the trainer's base back onto the device,
+        its host copy freed when the engine's weights come to the host next), then the weights out."""
+        if self.release_kv and not self.kv_released:
+            call(self.engine.release_kv)
+            self.kv_released = True
+        if trainer_in is not None:
+            trainer_in()
+        if self.release_weights and not self.weights_released:
+            call(self.engine.release_weights)
+            self.weights_released = True
+
+    def engine_back(self, trainer_out=None) -> None:
+        """After training, before the sync: the trainer's cached blocks returned (its activations' memory: the H200's
+        32B run ran out mapping the weights beside them), the weights back (the adapter slot lives among them), then
+        `trainer_out` (offloaded with release_weights: its base to the host, off the device before the KV cache
+        returns), then the KV cache (the sync's parity probe scores on it)."""
+        if not (self.weights_released or self.kv_released):
+            return
+        call(self.trainer.release_cached_memory)
+        if self.weights_released:
+            call(self.engine.resume_weights)
+            self.weights_released = False
+        if trainer_out is not None:
+            trainer_out()
+        if self.kv_released:                  # (the base's move to the host empties the trainer's cache itself)
+            call(self.engine.resume_kv)
+            self.kv_released = False
+
     def shutdown(self) -> None:
         stop_actors(self.actors)
         if self.owns_pg:

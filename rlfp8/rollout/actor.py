@@ -42,6 +42,15 @@ class RolloutActor(RolloutEngineInterface):
     def resume_kv(self) -> None:
         self.engine.resume_kv()
 
+    def release_weights(self) -> dict:
+        return self.engine.release_weights()
+
+    def resume_weights(self) -> None:
+        self.engine.resume_weights()
+
+    def weights_release_enabled(self) -> bool:
+        return self.engine.weights_release
+
     def export_weights(self) -> dict:
         from pathlib import Path
         return self.engine.export_weights(str(Path(self.scratch_dir) / "weights"))

@@ -115,8 +115,11 @@ class RolloutEngine:
             kwargs["enable_chunked_prefill"] = False
         self.kv_release = kv_release_enabled(cfg)
         self.kv_released = False
+        self.weights_release = bool(ecfg["release_weights"])
+        self.weights_released = False
         if self.kv_release:
-            kwargs["enable_sleep_mode"] = True            # KV in vLLM's cuMem pool; weights kept out (plugin)
+            # KV in vLLM's cuMem pool; rlfp8 engines keep their weights out (plugin), vLLM's own keep them in
+            kwargs["enable_sleep_mode"] = True
         if not compat.on_cpu_build():
             kwargs["gpu_memory_utilization"] = float(ecfg["gpu_memory_utilization"])
             if ecfg["kv_cache_memory_gb"]:
@@ -141,6 +144,7 @@ class RolloutEngine:
         if update is None:
             self.lora = None
             return 0
+        self._require_weights("set_adapter")
         with phase("engine/set_adapter"):
             if self.lora is None:
                 self._register(update)
@@ -233,8 +237,12 @@ class RolloutEngine:
         gib = 2**30
         model = compat.engine_model(self.llm)
         weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+        host = {}
+        if self.weights_release:        # released: on the host, not on the device
+            host = {"memory/engine_host_gib": self._host_bytes() / gib}
+            weights = 0 if self.weights_released else weights
         free, total = torch.cuda.mem_get_info()
-        return {"memory/engine_weights_gib": weights / gib, "memory/kv_cache_gib": self.kv_cache_bytes() / gib,
+        return {**host, "memory/engine_weights_gib": weights / gib, "memory/kv_cache_gib": self.kv_cache_bytes() / gib,
                 "memory/engine_peak_gib": torch.cuda.max_memory_reserved() / gib,
                 "memory/engine_reserved_gib": torch.cuda.memory_reserved() / gib,
                 "memory/free_gib": free / gib, "memory/total_gib": total / gib}
@@ -294,6 +302,12 @@ class RolloutEngine:
         if self.kv_released:
             raise RuntimeError(f"engine.{what} while the KV cache is released (engine.release_kv): the placement "
                                "must call resume_kv first")
+        self._require_weights(what)
+
+    def _require_weights(self, what: str) -> None:
+        if getattr(self, "weights_released", False):
+            raise RuntimeError(f"engine.{what} while the weights are released to the host (engine.release_weights):"
+                               " the placement must call resume_weights first")
 
     def release_kv(self) -> dict:
         """Free the KV cache (GPU, engine started with sleep mode): prefix cache reset, KV pages unmapped; the
@@ -337,14 +351,79 @@ class RolloutEngine:
                                "cached blocks? it empties its cache after train_step under one_copy)")
         self.kv_released = False
 
+    def release_weights(self) -> dict:
+        """Copy the weights (and LoRA slot) to pinned host memory and unmap them (vLLM's level-1 sleep, the KV cache
+        released first): engine.release_weights, for vLLM-owned weights (bf16, w8a8_vllm), whose allocations sit in
+        vLLM's cuMem pool under the tag "weights". Returns the device memory freed and the bytes now on the host."""
+        import gc
+
+        import torch
+        if not self.weights_release:
+            raise RuntimeError("release_weights: this engine was started without engine.release_weights")
+        if not self.kv_released:
+            raise RuntimeError("release_weights: release the KV cache first (release_kv): the placement frees it "
+                               "before the trainer's base comes back, and the weights after that")
+        if self.weights_released:
+            return {"memory/weights_released_gib": 0.0, "memory/engine_host_gib": self._host_bytes() / 2**30}
+        from vllm.device_allocator import cumem
+        torch.cuda.synchronize()
+        before = torch.cuda.mem_get_info()[0]
+        weights = _weight_allocations()
+        if not weights or cumem.libcudart is None:
+            raise RuntimeError("release_weights: vLLM's cuMem pool holds no weights (rlfp8 engines keep theirs "
+                               "outside it) or its CUDA runtime library did not load")
+        for ptr, d in weights:
+            host = torch.empty(d.handle[1], dtype=torch.uint8, device="cpu", pin_memory=True)
+            cumem.libcudart.cudaMemcpy(host.data_ptr(), ptr, d.handle[1])
+            d.cpu_backup_tensor = host
+            cumem.unmap_and_release(d.handle)
+            d.is_asleep = True
+        gc.collect()
+        torch.cuda.empty_cache()
+        self.weights_released = True
+        return {"memory/weights_released_gib": (torch.cuda.mem_get_info()[0] - before) / 2**30,
+                "memory/engine_host_gib": self._host_bytes() / 2**30}
+
+    def resume_weights(self) -> None:
+        """Map the weights back at their addresses (CUDA graphs stay valid), copy them in, and return the pinned
+        host memory to the OS (else the process keeps it cached, and the trainer's base cannot take its place)."""
+        if not self.weights_released:
+            return
+        import torch
+        from vllm.device_allocator import cumem
+
+        from rlfp8.process import empty_host_cache
+        for ptr, d in _weight_allocations(asleep=True):
+            cumem.create_and_map(d.handle)
+            cumem.libcudart.cudaMemcpy(ptr, d.cpu_backup_tensor.data_ptr(), d.handle[1])
+            d.cpu_backup_tensor = None
+            d.is_asleep = False
+        torch.cuda.synchronize()
+        self.weights_released = False
+        if not empty_host_cache():
+            raise RuntimeError("resume_weights: this torch cannot empty its pinned host cache: the engine's host "
+                               "copy would stay cached in this process beside the trainer's base")
+
+    def _host_bytes(self) -> int:
+        return sum(d.handle[1] for _, d in _weight_allocations(asleep=True))
+
+
+def _weight_allocations(asleep: bool | None = False) -> list:
+    """(device pointer, allocation) of vLLM's cuMem pool under the tag "weights" (asleep: only those unmapped,
+    False: only those mapped, None: all); none means the weights are not in the pool (rlfp8's engines)."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+    return [(ptr, d) for ptr, d in CuMemAllocator.get_instance().pointer_to_data.items()
+            if d.tag == "weights" and (asleep is None or bool(getattr(d, "is_asleep", False)) == asleep)]
+
 
 def kv_release_enabled(cfg: dict) -> bool:
-    """engine.release_kv: true | false | auto (= on for placement=one_copy on a GPU: vLLM's sleep mode needs
-    its cuMem allocator, which the CPU build does not have)."""
+    """engine.release_kv: true | false | auto (= on for placement=one_copy, or with engine.release_weights, on a
+    GPU: vLLM's sleep mode needs its cuMem allocator, which the CPU build does not have)."""
     import torch
     value = cfg["engine"]["release_kv"]
     if value == "auto":
-        return cfg["placement"]["name"] == "one_copy" and torch.cuda.is_available()
+        wanted = cfg["placement"]["name"] == "one_copy" or bool(cfg["engine"]["release_weights"])
+        return wanted and torch.cuda.is_available()
     if value and not torch.cuda.is_available():
         raise ValueError("engine.release_kv=true needs a CUDA GPU (vLLM's sleep mode); use false or auto")
     return bool(value)

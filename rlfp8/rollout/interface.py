@@ -3,7 +3,8 @@
 An adapter update is {"version": int, "tensors": {PEFT key name: CPU tensor}, "config": PEFT
 adapter_config dict}, as rlfp8.trainer's export_adapter produces it; set_adapter writes it in place into the
 engine's resident slot. release_kv / resume_kv (vLLM's sleep mode: a GPU) and export_weights (rlfp8's FP8
-codes) serve the one-copy placement.
+codes) serve the one-copy placement; release_weights / resume_weights (vLLM-owned weights to the host and back)
+serve verl's colocated recipe (engine.release_weights).
 """
 from __future__ import annotations
 
@@ -41,6 +42,14 @@ class RolloutEngineInterface(ABC):
     @abstractmethod
     def resume_kv(self) -> None:
         """Re-allocate the KV cache before the next rollout (one_copy)."""
+
+    @abstractmethod
+    def release_weights(self) -> dict:
+        """Move vLLM-owned weights to the host while the trainer runs, after release_kv (engine.release_weights)."""
+
+    @abstractmethod
+    def resume_weights(self) -> None:
+        """Bring them back at the same addresses before the sync writes the adapter slot."""
 
     @abstractmethod
     def export_weights(self) -> dict:

@@ -110,8 +110,10 @@ class PolicyTrainer(TrainerInterface):
     def release_base(self) -> None:
         self.weights.release(self.model, self.device)
 
-    def restore_base(self) -> None:
-        self.weights.restore(self.model, self.device)
+    def restore_base(self, free_host: bool = False) -> None:
+        """free_host: also return the pinned host copy to the OS (the engine's weights take its place on the host
+        next: engine.release_weights)."""
+        self.weights.restore(self.model, self.device, free_host=free_host)
 
     def _require_base(self, what: str) -> None:
         """Computing on a base that placement=offloaded moved to the host would fail deep inside the model (a

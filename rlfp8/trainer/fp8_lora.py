@@ -100,14 +100,16 @@ class FP8LoRALinear(nn.Module):
 def apply_lora(model: nn.Module, rank: int, alpha: float, targets: Iterable[str] = DEFAULT_TARGETS,
                use_rslora: bool = False, weights: str = "fp8", device: torch.device | str | None = None,
                exclude: str | None = None, module_cls: type | None = None,
-               fill_meta: Callable[[str, nn.Module], None] | None = None) -> list[str]:
+               fill_meta: Callable[[str, nn.Module], None] | None = None,
+               after_each: Callable[[nn.Module], None] | None = None) -> list[str]:
     """Replace every nn.Linear whose last name is in `targets` by a `module_cls` (FP8LoRALinear by default;
     the adapter kind names its class: rlfp8.trainer.adapters); freeze the rest.
 
     Modules are converted one at a time (quantize on `device`, drop the 16-bit weight) so the peak
     memory is the FP8 model plus one 16-bit layer. fill_meta(name, linear): gives a linear whose weight is
-    still on the meta device its values just before it is converted (random-weight models). Returns the
-    replaced module names.
+    still on the meta device its values just before it is converted (random-weight models). after_each(new
+    module): called right after each conversion (the offload source moves the frozen base to the host there, so
+    a 16-bit base is never whole on the device). Returns the replaced module names.
     """
     cls = module_cls or FP8LoRALinear
     targets = set(targets)
@@ -127,7 +129,12 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, targets: Iterable[str]
         parent = model.get_submodule(parent_name) if parent_name else model
         if fill_meta is not None and module.weight.is_meta:
             fill_meta(name, module)
-        setattr(parent, child, cls.from_linear(module, rank, alpha, use_rslora, weights, device))
+        converted = cls.from_linear(module, rank, alpha, use_rslora, weights, device)
+        setattr(parent, child, converted)
+        for pname in list(module._parameters):   # the loop's module list keeps the original alive: drop its
+            module._parameters[pname] = None      # 16-bit tensors now (a filled random weight is on the device)
+        if after_each is not None:
+            after_each(converted)
         replaced.append(name)
     if not replaced:
         raise ValueError(f"adapter.target_modules={sorted(targets)}: no nn.Linear matched")

@@ -89,8 +89,9 @@ class TrainerInterface(ABC):
         """Before the engine runs: the base-weight source may move the frozen base away."""
 
     @abstractmethod
-    def restore_base(self) -> None:
-        """Before training: the frozen base is back where the forward pass needs it."""
+    def restore_base(self, free_host: bool = False) -> None:
+        """Before training: the frozen base is back where the forward pass needs it (free_host: and its host
+        copy's pinned memory returned to the OS)."""
 
     def take_phase_times(self, synchronize: bool | None = None) -> dict[str, dict[str, float]]:
         """This process's phase times since the last call (rlfp8.profiling; bench/step_profile.py)."""

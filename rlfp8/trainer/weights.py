@@ -38,7 +38,7 @@ class BaseWeightSource:
     def release(self, model: nn.Module, device: torch.device) -> None:
         """Before the engine runs. Resident sources keep the base where it is."""
 
-    def restore(self, model: nn.Module, device: torch.device) -> None:
+    def restore(self, model: nn.Module, device: torch.device, free_host: bool = False) -> None:
         """Before training. Resident sources keep the base where it is."""
 
 
@@ -60,12 +60,21 @@ class QuantizeFromCheckpoint(BaseWeightSource):
         replaced = apply_lora(model, rank=int(acfg["rank"]), alpha=float(acfg["alpha"]),
                               targets=acfg["target_modules"], use_rslora=bool(acfg["use_rslora"]),
                               weights=tcfg["weights"], device=device,
-                              module_cls=adapter_kind(acfg["type"]).module_cls, fill_meta=fill)
+                              module_cls=adapter_kind(acfg["type"]).module_cls, fill_meta=fill,
+                              after_each=self.converted(device))
         if random_weights:
             materialise_dense(model, device, dtype, seed)
-        model.to(device)
+        self.place(model, device)
         model.config.use_cache = False
         return model, replaced
+
+    def converted(self, device: torch.device):
+        """apply_lora's after_each for this source (None: the converted projection stays on the device)."""
+        return None
+
+    def place(self, model: nn.Module, device: torch.device) -> None:
+        """Where the loaded model lives when the trainer starts."""
+        model.to(device)
 
 
 class OffloadOnload(QuantizeFromCheckpoint):
@@ -76,20 +85,43 @@ class OffloadOnload(QuantizeFromCheckpoint):
     def __init__(self):
         self.offloaded = False
 
-    def release(self, model, device):
-        if device.type != "cuda" or self.offloaded:
-            self.offloaded = True
+    def converted(self, device):
+        """On a GPU each projection's frozen base goes to the host as soon as it is built: the whole 16-bit base is
+        never on the device at set-up (a 32B one is 61 GiB beside the engine's weights and KV cache)."""
+        return (lambda module: self._to_host(module)) if device.type == "cuda" else None
+
+    def place(self, model, device):
+        """GPU: the frozen base on the host (pinned), the adapters on the device: set-up ends offloaded."""
+        if device.type != "cuda":
+            model.to(device)
             return
+        self._to_host(model)
+        for p in model.parameters():
+            if p.requires_grad and p.device != device:
+                p.data = p.data.to(device)
+        self.offloaded = True
+
+    @staticmethod
+    def _to_host(model: nn.Module) -> None:
+        """Every frozen tensor of `model` into pinned host memory (those already pinned stay)."""
         for mod, name in frozen_tensors(model):
             t = getattr(mod, name)
+            if t.device.type == "cpu" and t.is_pinned():
+                continue
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             host.copy_(t, non_blocking=True)
             _replace(mod, name, host)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+    def release(self, model, device):
+        if device.type != "cuda" or self.offloaded:
+            self.offloaded = True
+            return
+        self._to_host(model)
         self.offloaded = True
 
-    def restore(self, model, device):
+    def restore(self, model, device, free_host=False):
         if device.type != "cuda" or not self.offloaded:
             self.offloaded = False
             return
@@ -97,6 +129,10 @@ class OffloadOnload(QuantizeFromCheckpoint):
             _replace(mod, name, getattr(mod, name).to(device, non_blocking=True))
         torch.cuda.synchronize()
         self.offloaded = False
+        if free_host:       # the host copies are gone; without this torch keeps their pinned pages cached
+            from rlfp8.process import empty_host_cache
+            if not empty_host_cache():
+                raise RuntimeError("restore_base(free_host=True): this torch cannot empty its pinned host cache")
 
 
 class MapHandedOver(BaseWeightSource):

@@ -9,6 +9,11 @@
    the KV cache, device free memory after each resume does not drift, and greedy generation afterwards
    returns the same tokens as before the loop.
 
+3. Weights to the host and back (engine.release_weights, verl's colocated recipe: a bf16 engine, vLLM's own weights
+   in its cuMem pool, decode graphs): three rounds of KV out, weights out (the device gets them back, the host
+   holds them, memory() says 0 on the device), weights back, KV back; then the weights' checksum and greedy
+   tokens equal those before, the device's free memory is where it was, and the pinned host pages are returned.
+
 Each scenario runs in its own process (one vLLM engine per process); it writes a JSON the test checks.
     python -m pytest tests/gpu/test_one_copy_gpu.py -m gpu -v -s
 """
@@ -59,6 +64,20 @@ def test_kv_release_resume_100_times_no_leak_same_greedy_tokens(tmp_path):
     assert r["free_after_resume"][-1] >= r["free_before_loop"] - 64 * MIB
     assert r["reserved_after"] - r["reserved_before"] < 64 * MIB
     assert r["tokens_after"] == r["tokens_before"] and all(len(t) == 32 for t in r["tokens_before"])
+
+
+def test_weights_to_the_host_and_back_same_weights_same_tokens_host_returned(tmp_path):
+    r = _scenario("weights", tmp_path)
+    assert r["graph_mode"].startswith("FULL_DECODE_ONLY")               # decode graphs captured before the rounds
+    assert min(r["weights_freed_gib"]) > 0.9 * r["weights_gib"] > 0.1   # each release gave the device the weights
+    assert min(r["host_gib"]) >= 0.99 * r["weights_gib"]                 # ...and the host holds them
+    assert r["engine_weights_gib_while_released"] == [0.0] * 3
+    assert r["host_gib_after"] == 0.0 and r["host_cached_after"] is not None, r["host_memory_stats"]
+    assert r["host_cached_after"] < 64 * MIB, r["host_memory_stats"]
+    assert r["checksum_after"] == r["checksum_before"]
+    assert r["free_after"] >= r["free_before"] - 64 * MIB, (r["free_before"], r["free_after"])    # no leak
+    assert r["tokens_after"] == r["tokens_before"] and all(len(t) == 32 for t in r["tokens_before"])
+    assert "engine.set_adapter while the weights are released" in r["set_adapter_while_released"]   # refused
 
 
 # ---------------------------------------------------------------------------------------- the scenarios
@@ -165,8 +184,52 @@ def scenario_kv(tmp: Path) -> dict:
             "reserved_after": torch.cuda.memory_reserved(), "tokens_before": tokens_before, "tokens_after": greedy()}
 
 
+def scenario_weights(tmp: Path) -> dict:
+    import torch
+
+    from rlfp8.rollout.compat import engine_model
+    from rlfp8.rollout.engine import RolloutEngine
+    from rlfp8.trainer.hf_models import resolve_model
+    cfg = _cfg(f"model.path={ARCH}", "engine.precision=bf16", "trainer.weights=bf16", "placement=offloaded",
+               "engine.release_weights=true", "engine.parity_probe.every=0", "engine.enforce_eager=false",
+               "engine.compile=false", "engine.kv_cache_memory_gb=2")
+    engine = RolloutEngine(str(resolve_model(ARCH, tmp / "cache")), cfg)
+    model = engine_model(engine.llm)
+    checksum = lambda: sum(float(t.double().sum()) for t in model.parameters())    # noqa: E731
+    prompts = [[1, 5, 9, 20 + i, 7, 3] for i in range(8)]
+    greedy = lambda: [s.token_ids for s in engine.generate(prompts, 1, 1.0, 32, greedy=True)]   # noqa: E731
+    tokens_before, checksum_before = greedy(), checksum()
+    weights_gib = engine.memory()["memory/engine_weights_gib"]
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    freed, host, shown = [], [], []
+    refused = "ran"
+    for _ in range(3):
+        engine.release_kv()
+        out = engine.release_weights()
+        freed.append(out["memory/weights_released_gib"])
+        host.append(out["memory/engine_host_gib"])
+        shown.append(engine.memory()["memory/engine_weights_gib"])
+        try:                             # the slot lives among the weights: writing it now must be refused
+            engine.set_adapter({"version": 1, "tensors": {}, "config": {}})
+        except RuntimeError as e:
+            refused = str(e)
+        engine.resume_weights()
+        engine.resume_kv()
+    torch.cuda.synchronize()
+    free_after = torch.cuda.mem_get_info()[0]
+    stats = torch.cuda.host_memory_stats()
+    cached = stats.get("allocated_bytes.current")     # pinned blocks the allocator owns: in use + cached
+    return {"graph_mode": engine.graph_mode, "weights_gib": weights_gib, "weights_freed_gib": freed, "host_gib": host,
+            "engine_weights_gib_while_released": shown, "set_adapter_while_released": refused,
+            "host_gib_after": engine.memory()["memory/engine_host_gib"], "host_cached_after": cached,
+            "host_memory_stats": {k: v for k, v in stats.items() if "bytes" in k},
+            "checksum_before": checksum_before, "checksum_after": checksum(), "free_before": free_before,
+            "free_after": free_after, "tokens_before": tokens_before, "tokens_after": greedy()}
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     name, out, tmp = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
-    result = {"ipc": scenario_ipc, "kv": scenario_kv}[name](tmp)
+    result = {"ipc": scenario_ipc, "kv": scenario_kv, "weights": scenario_weights}[name](tmp)
     out.write_text(json.dumps(result))

@@ -40,6 +40,8 @@ def test_every_configuration_composes_with_what_it_names(tmp_path):
         assert cfg["engine"]["enforce_eager"] is False and cfg["engine"]["compile"] is False     # decode graphs
         assert bench.engine_mode(cfg) == "decode_graphs" and cfg["engine"]["parity_probe"]["every"] == 0
     assert cfgs["a"]["engine"]["release_kv"] == "auto"               # = on for one_copy on a GPU
+    # verl's colocated recipe and FlashRL's (a verl fork): the engine asleep, its weights on the host, while training
+    assert {n for n, c in cfgs.items() if c["engine"]["release_weights"]} == {"d", "e"}
     same = {k: {json.dumps(c[k], sort_keys=True) for c in cfgs.values()} for k in ("data", "adapter", "seed")}
     assert all(len(v) == 1 for v in same.values()), same          # the same prompts and adapter everywhere
     assert {(c["algo"]["group_size"], c["data"]["prompts_per_step"]) for c in cfgs.values()} == {(8, 8)}
@@ -64,19 +66,44 @@ def test_every_kv_cache_is_what_its_placement_leaves_of_the_same_usable_memory(s
     _, a = _planned(shape, "a")
     _, c = _planned(shape, "c")
     _, d = _planned(shape, "d")
-    assert a["kv_budget_gib"] > c["kv_budget_gib"] > d["kv_budget_gib"]      # one copy > two FP8 > two bf16
-    assert d["host_pinned_gib"] == pytest.approx(d["train_parts_gib"]["trainer_base"]) and a["host_pinned_gib"] == 0
+    # one FP8 copy > verl's (one bf16 copy on the device while generating) > two resident FP8 copies
+    assert a["kv_budget_gib"] > d["kv_budget_gib"] > c["kv_budget_gib"]
+    # the host holds one 16-bit copy at a time: the trainer's base while generating, the engine's while training
+    assert d["host_pinned_gib"] == pytest.approx(max(d["train_parts_gib"]["trainer_base"],
+                                                     d["rollout_parts_gib"]["engine_weights"]
+                                                     + d["rollout_parts_gib"]["engine_lora"]))
+    assert a["host_pinned_gib"] == 0 and "engine_weights" not in d["train_parts_gib"]
+
+
+def test_verl_recipe_at_32b_fits_one_copy_on_the_host_both_bases_on_the_device_between_the_phases():
+    """(d) at the Qwen3-32B shape with the engine's weights on the host while training (engine.release_weights):
+    rollout = the bf16 engine + its KV cache, train = the trainer's bf16 base + activations, between them both
+    bases (126.5 GiB, no KV cache, no activations); the host holds 61.5 GiB at a time, not 122."""
+    _, d32 = _planned("qwen3_32b", "d")
+    assert d32["refused"] is None and d32["weights_released_while_training"] and d32["kv_released_while_training"]
+    between = sum(d32["between_parts_gib"].values())
+    assert between == pytest.approx(d32["rollout_parts_gib"]["engine_weights"] + d32["rollout_parts_gib"]["engine_lora"]
+                                    + d32["train_parts_gib"]["trainer_base"] + d32["train_parts_gib"]["trainer_optimizer"])
+    assert d32["usable_gib"] < between <= bench.BETWEEN_FRACTION * bench.H200_DEVICE_GIB
+    assert d32["host_pinned_gib"] < 0.5 * bench.H200_HOST_GIB
+    assert d32["host_moved_gib_per_step"] == pytest.approx(2 * (d32["train_parts_gib"]["trainer_base"]
+                                                                + d32["rollout_parts_gib"]["engine_weights"]))
+    _, a32 = _planned("qwen3_32b", "a")
+    assert 1.4 < a32["kv_budget_gib"] / d32["kv_budget_gib"] < 1.6         # the plan's KV ratio, near the issue's 1.5
+    _, tight = _planned("qwen3_32b", "d", device_gib=130.0)                # both bases do not fit between the phases
+    assert "cannot hold both bases between the phases (engine.release_weights)" in tight["refused"]
 
 
 def test_the_fit_check_refuses_naming_the_configuration_and_the_keys():
-    _, d32 = _planned("qwen3_32b", "d")           # two 16-bit copies of 32B: 122 GiB before any KV cache
+    # without the engine asleep: two 16-bit copies of 32B on the device, 122 GiB before any KV cache
+    _, d32 = _planned("qwen3_32b", "d", extra=("--extra", "engine.release_weights=false"))
     assert d32["refused"].startswith("configuration d (offloaded bf16 trainer + bf16 engine (verl)) cannot fit")
     assert "engine.precision=bf16" in d32["refused"] and "trainer.weights=bf16" in d32["refused"]
     # verl's alternative (engine asleep while training) needs both 16-bit copies pinned on the host: 122 of 128 GiB
     assert d32["engine_sleep_host_gib"] == pytest.approx(d32["rollout_parts_gib"]["engine_weights"]
                                                          + d32["train_parts_gib"]["trainer_base"])
     assert f"= {d32['engine_sleep_host_gib']:.1f} GiB pinned, more than 0.8 x the host's 128.0 GiB" in d32["refused"]
-    _, d32_big_host = _planned("qwen3_32b", "d", host_gib=512.0)
+    _, d32_big_host = _planned("qwen3_32b", "d", host_gib=512.0, extra=("--extra", "engine.release_weights=false"))
     assert "GiB pinned, within 0.8 x the host's 512.0 GiB" in d32_big_host["refused"]
     _, a32 = _planned("qwen3_32b", "a")
     assert a32["refused"] is None and a32["kv_budget_gib"] >= a32["kv_needed_gib"]   # the whole 8 x 8 x 4k batch
@@ -111,11 +138,14 @@ def test_the_budget_lowers_steps_then_skips_and_compilation_is_paid_once_per_kin
 
 def test_dry_run_prints_plans_commands_and_refusals(capsys):
     assert bench.main(["--shape", "qwen3_32b", "--response-len", "4096", "--configs", "a,d", "--dry-run",
-                       "--budget-s", "520"]) == 0
+                       "--budget-s", "520", "--extra", "engine.release_weights=false"]) == 0
     out = capsys.readouterr().out
     assert "| a: one_copy + w8a16 + KV release (ours) | 32.5 | 0.0 | 4.0 |" in out
     _, plan = _planned("qwen3_32b", "a")
     assert "refused: configuration d" in out and f"engine.kv_cache_memory_gb={plan['kv_budget_gib']:.2f}" in out
+    assert bench.main(["--shape", "qwen3_32b", "--response-len", "4096", "--configs", "d", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "| KV + weights | 61.5 |" in out and "refused" not in out
 
 
 def _metrics(tmp_path, steps, kv):

@@ -74,6 +74,14 @@ def test_user_recipe_file_and_typo_detection(tmp_path):
      config.UNSUPPORTED),
     (["engine.precision=w8a8_vllm"], False, "engine.precision=w8a8_vllm: w8a8_vllm", config.NEEDS_CUDA),
     (["trainer.device=cuda"], False, "trainer.device=cuda: trainer.device=cuda needs a CUDA GPU", config.NEEDS_CUDA),
+    (["engine.release_weights=true", "engine.precision=w8a16"], True,
+     "engine.release_weights=True engine.precision=w8a16: (rlfp8's engines keep", config.UNSUPPORTED),
+    (["engine.release_weights=true", "engine.precision=w8a8"], True, "engine.release_weights=True engine.precision=w8a8",
+     config.UNSUPPORTED),
+    (["engine.release_weights=true", "engine.release_kv=false"], True,
+     "engine.release_weights=True engine.release_kv=False: (the weights go after the KV cache", config.UNSUPPORTED),
+    (["engine.release_weights=true"], False, "engine.release_weights=True: engine.release_weights (vLLM's sleep mode",
+     config.NEEDS_CUDA),
 ])
 def test_each_unavailable_combination_is_rejected_naming_its_keys(monkeypatch, overrides, cuda, needle, reason):
     monkeypatch.setattr(config, "cuda_available", lambda: cuda)
@@ -92,7 +100,7 @@ def test_dora_and_the_plugin_precisions_compose():
 
 def test_unavailable_table_is_exercised_and_cuda_entries_pass_on_a_gpu(monkeypatch):
     """Every entry of the table has a case above; the NEEDS_CUDA ones compose where CUDA exists."""
-    assert len(UNAVAILABLE) == 7
+    assert len(UNAVAILABLE) == 11
     monkeypatch.setattr(config, "cuda_available", lambda: True)
     for entry in UNAVAILABLE:
         if entry.reason == config.NEEDS_CUDA:

@@ -87,3 +87,28 @@ def test_adapter_and_optimizer_sizes_match_the_trainer_at_qwen3_8b():
     assert two["trainer_dense"] == pytest.approx(2 * 151936 * 4096 * 2 / 2**30)
     q_only = compose_dict(["recipe=qwen3_8b_math", "adapter.target_modules=[q_proj]", "adapter.rank=8"])
     assert adapter_params(q_only, arch) == 8 * (4096 + 4096) * 36
+
+
+def test_release_weights_takes_the_engine_off_the_train_phase_and_counts_both_bases_between():
+    """engine.release_weights: training holds no engine weights; the peak is the larger of rollout, train and the
+    moment between them when both bases are on the device (rlfp8/placement/offloaded.py's order)."""
+    from rlfp8.memory_plan import estimate
+    from rlfp8.models import architecture_config
+    arch = architecture_config("qwen3_32b")
+    cfg = {"model": {"dtype": "bfloat16", "path": "random:qwen3_32b"}, "placement": {"name": "offloaded"},
+           "engine": {"precision": "bf16", "max_num_seqs": 64, "max_model_len": 4608, "kv_cache_memory_gb": None,
+                      "release_kv": "auto", "release_weights": False},
+           "trainer": {"weights": "bf16", "micro_batch_tokens": 8192, "gradient_checkpointing": True,
+                       "logprob_chunk": 1024},
+           "data": {"prompts_per_step": 8}, "algo": {"group_size": 8},
+           "adapter": {"rank": 64, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                      "up_proj", "down_proj"]}}
+    awake = estimate(cfg, arch)
+    asleep = estimate({**cfg, "engine": {**cfg["engine"], "release_weights": True}}, arch)
+    rollout = asleep["engine_weights"] + asleep["kv_cache"]             # the trainer's base waits on the host
+    between = asleep["engine_weights"] + asleep["trainer_base"] + asleep["trainer_dense"]
+    assert awake["peak"] == pytest.approx(rollout + awake["trainer_base"] + awake["trainer_dense"]
+                                          + awake["trainer_activations"])     # train: all of it with the KV cache
+    assert asleep["peak"] == pytest.approx(max(rollout, between, asleep["trainer_base"] + asleep["trainer_dense"]
+                                               + asleep["trainer_activations"]))
+    assert asleep["peak"] < awake["peak"] - 50
