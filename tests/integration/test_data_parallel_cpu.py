@@ -149,7 +149,12 @@ def check_case(actors, case: str, param_atol: float = 1e-5, grad_rtol: float = 1
     assert moved > 1e-4, f"the reference update barely moved the adapter ({moved:.2e}): nothing compared"
     for k in want:
         w_param, w_grad = want[k]
-        torch.testing.assert_close(got0[k][0], w_param, rtol=0, atol=param_atol, msg=lambda m: f"{case}: {k}: {m}")
+        # AdamW's first steps move a parameter by ~lr * g / (|g| + eps): where |g| is within a few hundred eps
+        # (1e-8) of 0, a last-bit difference in g (two ranks sum in another order) moves it by a visible fraction of
+        # lr (seen: 1.3e-5 on 1 of 256 elements); those elements' gradients are still compared just below
+        steady = w_grad.abs() > 1e-6
+        torch.testing.assert_close(got0[k][0][steady], w_param[steady], rtol=0, atol=param_atol,
+                                   msg=lambda m: f"{case}: {k}: {m}")
         # the summed gradient of the last optimizer step is the whole batch's (Adam hides a scale error)
         torch.testing.assert_close(got0[k][1], w_grad, rtol=grad_rtol, atol=grad_rtol * float(w_grad.abs().max()),
                                    msg=lambda m: f"{case}: {k} grad: {m}")
