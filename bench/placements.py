@@ -215,14 +215,13 @@ def memory_plan(name: str, cfg: dict, arch: dict, device_gib: float, host_gib: f
                                          int(cfg["data"]["prompts_per_step"]) * int(cfg["algo"]["group_size"]))
     # offloaded: the trainer's base on the host while the engine generates; with release_weights the engine's
     # weights there while the trainer trains, one copy at a time (rlfp8/placement/offloaded.py's order)
-    host = (max(base, p["engine_weights"] + p["engine_lora"]) if weights_out else base) if offloaded else (
-        p["engine_weights"] + p["engine_lora"] if weights_out else 0.0)
+    trainer_host = base if offloaded else 0.0
+    host = max(trainer_host, sum(engine.values()) if weights_out else 0.0)
     plan = {"usable_gib": usable, "kv_budget_gib": kv, "kv_needed_gib": p["kv_cache_needed"],
             "kv_per_sequence_gib": per_seq, "rollout_parts_gib": rollout, "train_parts_gib": train,
             "between_parts_gib": between, "kv_released_while_training": released,
             "weights_released_while_training": weights_out, "host_pinned_gib": host,
-            "host_moved_gib_per_step": 2 * ((base if offloaded else 0.0) + (engine["engine_weights"] if weights_out
-                                                                           else 0.0)),
+            "host_moved_gib_per_step": 2 * (trainer_host + (engine["engine_weights"] if weights_out else 0.0)),
             "refused": None}
     where = f"configuration {name} ({CONFIGS[name]['label']})"
     if kv < per_seq:

@@ -151,7 +151,8 @@ def estimate(cfg: dict, arch: dict) -> dict[str, float]:
 
 
 def kv_released_while_training(cfg: dict) -> bool:
-    """What rlfp8.rollout.engine.kv_release_enabled will decide on a GPU, from the config alone."""
+    """engine.release_kv resolved from the config alone (auto = on for placement=one_copy or with
+    engine.release_weights); rlfp8.rollout.engine.kv_release_enabled adds that it needs a GPU."""
     value = cfg["engine"]["release_kv"]
     if value == "auto":
         return cfg["placement"]["name"] == "one_copy" or bool(cfg["engine"]["release_weights"])

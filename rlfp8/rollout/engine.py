@@ -420,10 +420,11 @@ def kv_release_enabled(cfg: dict) -> bool:
     """engine.release_kv: true | false | auto (= on for placement=one_copy, or with engine.release_weights, on a
     GPU: vLLM's sleep mode needs its cuMem allocator, which the CPU build does not have)."""
     import torch
+
+    from rlfp8.memory_plan import kv_released_while_training
     value = cfg["engine"]["release_kv"]
     if value == "auto":
-        wanted = cfg["placement"]["name"] == "one_copy" or bool(cfg["engine"]["release_weights"])
-        return wanted and torch.cuda.is_available()
+        return kv_released_while_training(cfg) and torch.cuda.is_available()
     if value and not torch.cuda.is_available():
         raise ValueError("engine.release_kv=true needs a CUDA GPU (vLLM's sleep mode); use false or auto")
     return bool(value)

@@ -88,7 +88,7 @@ class OffloadOnload(QuantizeFromCheckpoint):
     def converted(self, device):
         """On a GPU each projection's frozen base goes to the host as soon as it is built: the whole 16-bit base is
         never on the device at set-up (a 32B one is 61 GiB beside the engine's weights and KV cache)."""
-        return (lambda module: self._to_host(module)) if device.type == "cuda" else None
+        return self._to_host if device.type == "cuda" else None
 
     def place(self, model, device):
         """GPU: the frozen base on the host (pinned), the adapters on the device: set-up ends offloaded."""
@@ -99,11 +99,13 @@ class OffloadOnload(QuantizeFromCheckpoint):
         for p in model.parameters():
             if p.requires_grad and p.device != device:
                 p.data = p.data.to(device)
+        self._settle()
         self.offloaded = True
 
     @staticmethod
     def _to_host(model: nn.Module) -> None:
-        """Every frozen tensor of `model` into pinned host memory (those already pinned stay)."""
+        """Every frozen tensor of `model` into pinned host memory (those already pinned stay). The copies are
+        asynchronous (a freed device block is reused in stream order): _settle() once after the last."""
         for mod, name in frozen_tensors(model):
             t = getattr(mod, name)
             if t.device.type == "cpu" and t.is_pinned():
@@ -111,6 +113,9 @@ class OffloadOnload(QuantizeFromCheckpoint):
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             host.copy_(t, non_blocking=True)
             _replace(mod, name, host)
+
+    @staticmethod
+    def _settle() -> None:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
@@ -119,6 +124,7 @@ class OffloadOnload(QuantizeFromCheckpoint):
             self.offloaded = True
             return
         self._to_host(model)
+        self._settle()
         self.offloaded = True
 
     def restore(self, model, device, free_host=False):
