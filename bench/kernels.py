@@ -57,12 +57,29 @@ from rlfp8.kernels.metadata import build_lora_meta  # noqa: E402
 from rlfp8.rollout.vllm_lora_meta import lora_meta_from_vllm  # noqa: E402
 
 PROJ = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (12288, 12288)),
-        "down": (12288, (4096,))}
+        "down": (12288, (4096,))}        # Qwen3-8B; --shape rebinds it (projection_shapes)
 MS = (1, 4, 16, 64, 256, 2048)
 RANK = 64
 TRAIN_TOKENS = 8 * 1024
 DEV = "cuda"
 T0 = time.time()
+
+
+def projection_shapes(arch: str) -> dict:
+    """(K, output widths) of one decoder layer's four projections from the architecture's HF config
+    (rlfp8/models/<arch>.json, the shapes model.path=random:<arch> builds)."""
+    from rlfp8.models import architecture_config
+    c = architecture_config(arch)
+    hidden, inter = c["hidden_size"], c["intermediate_size"]
+    head_dim = c.get("head_dim") or hidden // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    return {"qkv": (hidden, (q, kv, kv)), "o": (q, (hidden,)), "gate_up": (hidden, (inter, inter)),
+            "down": (inter, (hidden,))}
+
+
+def table_ks(proj: dict) -> set[int]:
+    """The K fields of the tuned-table keys these projections tune (forward K; the dx GEMM keys by the width)."""
+    return {K for K, _ in proj.values()} | {sum(widths) for _, widths in proj.values()}
 
 
 def log(msg):
@@ -728,12 +745,28 @@ def _args(argv):
                     "'w8a16\\|(16|64)\\|'); the other entries of the existing table are kept")
     ap.add_argument("--no-train", action="store_true")
     ap.add_argument("--only-train", action="store_true", help="only the training rows (no layer/gemm rows)")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/kernels_h200.json"))
+    ap.add_argument("--shape", default="qwen3_8b", help="the decoder layer's shapes: an architecture of rlfp8/models "
+                    "(qwen3_8b, qwen3_32b, ...); the acceptance lines are Qwen3-8B's")
+    ap.add_argument("--out", help="result JSON (default bench/results/kernels_h200.json; kernels_<shape>_h200.json "
+                    "for another --shape)")
     ap.add_argument("--update-readme", action="store_true", help="replace the results table in bench/README.md")
     ap.add_argument("--batch-invariant", choices=("auto", "on", "off"), default="auto",
                     help="kernels.batch_invariant for every row (auto: on for W8A16, the matched engine's schedules; "
                          "off: the tuned configs, which the W8A8 engine and a trainer without a w8a16 engine use)")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if a.out is None:
+        stem = "kernels" if a.shape == "qwen3_8b" else f"kernels_{a.shape}"
+        a.out = str(ROOT / f"bench/results/{stem}_h200.json")
+    if a.update_readme and a.shape != "qwen3_8b":
+        ap.error("--update-readme: the README's table is Qwen3-8B's (--shape qwen3_8b)")
+    return a
+
+
+def kept_entries(old: dict, new_keys: set[str], tune_keys: str | None, ks: set[int]) -> dict:
+    """Entries of the existing table that survive a tuning run: those of other shapes (K not tuned here) always;
+    with --tune-keys, also this shape's that the run did not redo."""
+    return {k: v for k, v in old.items() if k not in new_keys and
+            (tune_keys is not None or int(k.split("|")[2]) not in ks)}
 
 
 def _tune_and_write_table(layer, timer, a) -> dict:
@@ -741,12 +774,13 @@ def _tune_and_write_table(layer, timer, a) -> dict:
     table = tune(layer, timer, T0 + a.budget_s, a.tune_reps, a.tune_keys)
     path = lg.tuned_table_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    if a.tune_keys is not None and path.exists():          # keep the entries that were not retuned
-        old = json.loads(path.read_text())
-        table = {"gemm": {**old.get("gemm", {}), **table["gemm"]},
-                 "candidates": {**old.get("candidates", {}), **table["candidates"]},
+    if path.exists():             # keep the entries that were not retuned (other shapes', and --tune-keys')
+        old, ks = json.loads(path.read_text()), table_ks(PROJ)
+        keep = lambda part: kept_entries(old.get(part, {}), set(table[part]), a.tune_keys, ks)
+        table = {"gemm": {**keep("gemm"), **table["gemm"]},
+                 "candidates": {**keep("candidates"), **table["candidates"]},
                  # hand edits (with their measurements) of entries the tuner did not redo
-                 "edits": [e for e in old.get("edits", []) if e["key"] not in table["gemm"]]}
+                 "edits": [e for e in old.get("edits", []) if e["key"] in keep("gemm")]}
     tuned_info = {"path": str(path), "keys": len(table["gemm"])}
     path.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
                                 "date": datetime.date.today().isoformat(), **table}, indent=1))
@@ -833,8 +867,9 @@ def _write_results(rows, a, vl, timer, tuned_info, info):
                 vllm_note="" if vl.ok else f"vLLM not importable ({vl.reason}); baselines are torch._scaled_mm and "
                 "torch bf16 LoRA matmuls, 32-adapter W8A8 rows have no baseline",
                 command=" ".join([Path(sys.executable).name] + sys.argv),
-                date=datetime.datetime.now().isoformat(timespec="seconds"),
-                reps=a.reps, l2_flush_bytes=timer.flush.numel(), cuda_graphs=True, tuned=tuned_info,
+                date=datetime.datetime.now().isoformat(timespec="seconds"), shape=a.shape,
+                projections={n: [K, list(w)] for n, (K, w) in PROJ.items()}, reps=a.reps,
+                l2_flush_bytes=timer.flush.numel(), cuda_graphs=True, tuned=tuned_info,
                 precompile=info, seconds=round(time.time() - T0, 1), dispatch=dispatch.report(),
                 acceptance=[dict(target=t, ok=ok, detail=d) for t, ok, d in acc])
     out = Path(a.out)
@@ -856,6 +891,9 @@ def _write_results(rows, a, vl, timer, tuned_info, info):
 
 def main(argv=None):
     a = _args(argv)
+    global PROJ
+    PROJ = projection_shapes(a.shape)
+    log(f"shape {a.shape}: " + ", ".join(f"{n} {K}->{sum(w)}" for n, (K, w) in PROJ.items()))
     if a.reps < 50:
         log(f"note: --reps {a.reps} < 50 (the issue asks for a median of >= 50)")
     assert torch.cuda.is_available(), "bench/kernels.py needs a CUDA GPU"

@@ -4,6 +4,7 @@
     python bench/placements.py --shape qwen3_8b --response-len 1024 --out /tmp/p8.json      # all five
     python bench/placements.py --shape llama3_8b --response-len 1024 --out /tmp/pl8.json    # qwen2_5_7b likewise
     python bench/placements.py --shape qwen3_32b --response-len 4096 --dry-run                 # the plan only
+    python bench/placements.py --merge r1.json r2.json --out placements_h200.json    # one table from several calls
 
 Configurations (CONFIGS below, the one place they are defined):
   a  one_copy + w8a16 + KV release, no correction (ours)      b  one_copy + w8a8 + TIS
@@ -151,6 +152,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--runs-root", default="runs/bench-placements")
     ap.add_argument("--extra", default="", help="comma-separated overrides added to every run (last: they win)")
     ap.add_argument("--dry-run", action="store_true", help="print the plans, commands and estimates; run nothing")
+    ap.add_argument("--merge", nargs="+", metavar="RESULT_JSON",
+                    help="run nothing: merge result files of earlier invocations (one per 10-minute call) into --out")
     args = ap.parse_args(argv)
     args.configs = [c for c in (args.configs or SHAPE_CONFIGS[args.shape]).split(",") if c]
     bad = [c for c in args.configs if c not in CONFIGS]
@@ -589,8 +592,66 @@ def _terminated(signum, frame):
     raise SystemExit(f"placements: signal {signum}: stopping (the running configuration's processes are killed)")
 
 
+def merge(paths: list[str]) -> dict:
+    """Result files of several invocations (a lent GPU runs at most 10 minutes per call) as one table per shape and
+    rollout length: every run that logged a step is a row, tagged with its file and command; configurations that
+    never ran keep why. The acceptance pairs (a) with (d) like with like: both warm where both have a warm run,
+    else both cold; never a warm step against a cold one."""
+    sources, groups = [], {}
+    for i, path in enumerate(paths):
+        result = json.loads(Path(path).read_text())
+        sources.append({"file": str(path), "command": result["command"], "date": result["date"],
+                        "environment": result["environment"]})
+        group = groups.setdefault(f"{result['shape']}/{result['response_len']}",
+                                  {"shape": result["shape"], "response_len": result["response_len"], "rows": {},
+                                   "not_run": {}})
+        for name, entry in result["configs"].items():
+            if entry.get("timed_steps"):
+                group["rows"][f"{name}#{i}"] = {**entry, "config": name, "source": i}
+            else:
+                group["not_run"].setdefault(name, []).append({"source": i, "status": entry["status"],
+                                                              "why": entry.get("refused") or entry.get("skipped")
+                                                              or f"returncode {entry.get('returncode')}"})
+    for group in groups.values():
+        ran = {row["config"] for row in group["rows"].values()}
+        group["not_run"] = {n: v for n, v in group["not_run"].items() if n not in ran}
+        group["acceptance"] = _paired_acceptance(group)
+    return {"command": " ".join([sys.executable] + sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "sources": sources, "groups": groups}
+
+
+def _paired_acceptance(group: dict) -> dict:
+    ours, base = ACCEPTANCE["ours"], ACCEPTANCE["baseline"]
+    rows = lambda n, cold: [r for r in group["rows"].values() if r["config"] == n and r["cold"] == cold]
+    for cold in (False, True):
+        a, d = rows(ours, cold), rows(base, cold)
+        if a and d:
+            acc = acceptance({**group, "configs": {ours: a[-1], base: d[-1]}})
+            return {**acc, "pairing": "cold / cold" if cold else "warm / warm",
+                    "sources": {ours: a[-1]["source"], base: d[-1]["source"]}}
+    applies = acceptance({**group, "configs": {}})
+    why = {"verdict": "N/A", "why": f"no ({ours}) and ({base}) runs measured alike (both warm or both cold)"}
+    return {**applies, "step_time": why, "kv_cache_rollout": why, "pairing": "none"}
+
+
+def merged_text(merged: dict) -> str:
+    lines = []
+    for key, group in merged["groups"].items():
+        lines += [f"## {key}", table(group["rows"])]
+        lines += [f"not run: {n}: " + "; ".join(f"{v['status']} ({v['why']})" for v in vs)
+                  for n, vs in group["not_run"].items()]
+        lines += [acceptance_text(group["acceptance"]) + f" [pairing: {group['acceptance']['pairing']}]"]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        merged = merge(args.merge)
+        write(args.out, merged)
+        print(merged_text(merged))
+        print(f"wrote {args.out}")
+        return 0
     signal.signal(signal.SIGTERM, _terminated)          # `timeout` in bench/gpu_session.sh: kill the run too
     env = environment()
     device_gib, host_gib = machine_sizes(args, env)

@@ -185,6 +185,40 @@ def test_summary_table_and_acceptance_from_metrics(tmp_path):
     assert "| d | refused: configuration d cannot fit |" in text
 
 
+def test_merge_pairs_a_with_d_like_with_like_and_keeps_what_never_ran(tmp_path):
+    _, plan = _planned("qwen3_32b", "a")
+    ran = lambda path, steps, kv: {**_metrics(path, steps, kv), "status": "ran", "returncode": 0, "wall_s": 1.0,
+                                   "plan": plan}
+
+    def result(name, configs):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"command": f"placements {name}", "date": "d", "environment": {"gpu": "g"},
+                                    "shape": "qwen3_32b", "response_len": 4096, "configs": configs}))
+        return str(path)
+
+    a_cold = ran(tmp_path / "a1", 1, 90.0)
+    d_cold = ran(tmp_path / "d1", 1, 50.0)
+    d_cold["step_time_s"]["step"] = 20.0
+    files = [result("one", {"a": a_cold, "b": {"status": "skipped", "skipped": "--budget-s: 5 s left"}}),
+             result("two", {"d": d_cold}), result("three", {"a": ran(tmp_path / "a2", 2, 90.0)})]
+    merged = bench.merge(files)
+    group = merged["groups"]["qwen3_32b/4096"]
+    assert [s["command"] for s in merged["sources"]] == ["placements one", "placements two", "placements three"]
+    assert sorted(group["rows"]) == ["a#0", "a#2", "d#1"] and group["rows"]["a#2"]["cold"] is False
+    assert group["not_run"] == {"b": [{"source": 0, "status": "skipped", "why": "--budget-s: 5 s left"}]}
+    acc = group["acceptance"]        # (a)'s warm run has no warm (d) to compare with: cold against cold
+    assert acc["pairing"] == "cold / cold" and acc["sources"] == {"a": 0, "d": 1}
+    assert acc["step_time"]["ratio"] == 10.5 / 20.0 and acc["kv_cache_rollout"]["ratio"] == 90.0 / 50.0
+    warm_d = bench.merge(files + [result("four", {"d": ran(tmp_path / "d2", 2, 60.0)})])["groups"]["qwen3_32b/4096"]
+    assert warm_d["acceptance"]["pairing"] == "warm / warm" and warm_d["acceptance"]["sources"] == {"a": 2, "d": 3}
+    assert warm_d["acceptance"]["kv_cache_rollout"]["ratio"] == 90.0 / 60.0
+    only_a = bench.merge(files[:1])["groups"]["qwen3_32b/4096"]["acceptance"]
+    assert only_a["pairing"] == "none" and only_a["step_time"]["verdict"] == "N/A"
+    out = tmp_path / "merged.json"
+    assert bench.main(["--merge", *files, "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["groups"]["qwen3_32b/4096"]["acceptance"]["pairing"] == "cold / cold"
+
+
 def test_a_timed_out_run_is_killed_with_its_whole_process_group():
     """The run's child (bash) and its own child (a background sleep, as Ray's actors are the driver's) both end;
     the grandchild may linger as a zombie until init reaps it, but it runs no more."""
