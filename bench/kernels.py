@@ -282,7 +282,7 @@ def seq(fns):
 
 # ------------------------------------------------------------------------------------------------ tuning
 def candidates(mode: str, bucket: int, N: int, K: int) -> list[GemmConfig]:
-    """The heuristic config first, then a few tile shapes per bucket in both main-loop orientations
+    """The heuristic config first, then the nearest tuned K's entry (the fallback), then a few tile shapes per bucket in both main-loop orientations
     (swap_ab: weight rows on the MMA's M side, the widened W8A16 tile as wgmma's register operand; or tokens
     on the M side, the weight tile through shared memory with 16-byte loads and the four-codes-per-register
     widening "prmt"), each with the split-K of the heuristic rule, twice it and (decode sizes) half of it,
@@ -292,6 +292,11 @@ def candidates(mode: str, bucket: int, N: int, K: int) -> list[GemmConfig]:
     bk_big = 128 if fp8 else 64
     base = lg._heuristic(mode, bucket, N, K)
     raw = [base]
+    table = lg.tuned_table_path()
+    near = lg.nearest_tuned_config(json.loads(table.read_text()).get("gemm", {}), mode, bucket, N, K) \
+        if table.exists() else None
+    if near is not None:                   # what an untuned key ran before this tuning (gemm_config's fallback)
+        raw.append(near)
     # (block_n, block_m, block_k, warps, stages[, swap_ab]); block_n = weight rows, block_m = tokens
     if bucket <= 16:
         raw += [(64, 16, 256, 4, 6), (128, 16, 128, 4, 5), (64, 16, 128, 4, 6), (64, 16, 128, 4, 8),

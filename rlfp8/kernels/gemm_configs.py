@@ -3,7 +3,8 @@
 Configs are keyed by (mode, token bucket, K, N class) where the N class only separates N <= 8192 from wider
 weights, so the q/k/v row views of a fused qkv (and o_proj) get the same split as the fused call: a row's
 result does not depend on the view. A tuned table (rlfp8/kernels/tuned/<gpu>.json, written by
-bench/kernels.py --tune) overrides the heuristics; the knob `tuned_gpu` picks another GPU's table.
+bench/kernels.py --tune) overrides the heuristics; with the knob `tuned_nearest` a key it lacks takes the nearest
+tuned K's entry (same mode, bucket, N class; nearest_tuned_config); the knob `tuned_gpu` picks another GPU's table.
 Same (T, mode, K, N class) => same config => same arithmetic order for a row (the matched property).
 
 Batch invariance (knob `batch_invariant`, default auto = the W8A16 calls): vLLM cuts the same rows into
@@ -34,9 +35,9 @@ from .knobs import knobs
 
 __all__ = ["GLUON_SCHEDULE", "GemmConfig", "INVARIANT_SCHEDULES", "M_BUCKETS", "NUM_SMS_HINT", "RANK_CHUNK",
            "WIDENINGS", "ReductionSchedule", "SM90_MAX_SMEM", "batch_invariant", "block_r", "cached_launch_config",
-           "config_generation", "config_key", "fit_smem", "rank_chunk",
-           "gemm_config", "invariant_gemm_config", "m_bucket", "n_class", "reduction_schedule", "reload_tuned_table",
-           "schedule_of", "smem_bytes", "tuned_table_path"]
+           "config_generation", "config_key", "config_source", "fit_smem", "rank_chunk",
+           "gemm_config", "invariant_gemm_config", "m_bucket", "n_class", "NEAREST_K_RATIO", "nearest_tuned_config",
+           "reduction_schedule", "reload_tuned_table", "schedule_of", "smem_bytes", "tuned_table_path"]
 
 # How W8A16 widens e4m3 weight tiles to bf16, per config (GemmConfig.widen; the PTX is in widen.py): all exact,
 # so all give the same bits; the interpreter always takes "cvt" (it cannot run inline PTX).
@@ -159,12 +160,54 @@ def config_key(mode: str, M: int, N: int, K: int, transposed: bool = False) -> s
 
 
 def gemm_config(mode: str, M: int, N: int, K: int, device=None, transposed: bool = False) -> GemmConfig:
-    """The config the launcher uses: the tuned table's entry for (mode, bucket, K, N class), else heuristic."""
+    """The config the launcher uses: the tuned table's entry for (mode, bucket, K, N class), else (knob
+    tuned_nearest) the nearest tuned K's (nearest_tuned_config), else the heuristic. config_source says which."""
+    return _config_and_source(mode, M, N, K, device, transposed)[0]
+
+
+def config_source(mode: str, M: int, N: int, K: int, device=None, transposed: bool = False) -> str:
+    """Where gemm_config's answer comes from: "tuned" | "nearest_tuned" | "heuristic" (dispatch records it)."""
+    return _config_and_source(mode, M, N, K, device, transposed)[1]
+
+
+def _config_and_source(mode, M, N, K, device, transposed) -> tuple[GemmConfig, str]:
     if device is not None and torch.device(device).type == "cuda":
-        entry = _tuned_table(device).get(config_key(mode, M, N, K, transposed))
+        table = _tuned_table(device)
+        entry = table.get(config_key(mode, M, N, K, transposed))
         if entry is not None:
-            return GemmConfig(**entry)
-    return _heuristic(mode, M, N, K)
+            return GemmConfig(**entry), "tuned"
+        near = nearest_tuned_config(table, mode, M, N, K, transposed) if knobs().tuned_nearest else None
+        if near is not None:
+            return near, "nearest_tuned"
+    return _heuristic(mode, M, N, K), "heuristic"
+
+
+# With the knob tuned_nearest, a shape the table has not tuned (another model: Qwen3-32B's K 5120 / 8192 / 25600
+# beside the tuned 8B's 4096 / 12288) takes the winner of the same mode, token bucket and N class at the nearest K, when that K is within this
+# factor: on the H200 every tuned 8B winner beat the heuristic at its own key (1.41-1.55x at 64 tokens in W8A16:
+# the heuristic has no TMA, no prmt widening, 128-row tiles), and the winners share their tiles across K.
+NEAREST_K_RATIO = 3.0
+
+
+def nearest_tuned_config(table: dict, mode: str, M: int, N: int, K: int, transposed: bool = False) -> GemmConfig | None:
+    """The tuned entry for (mode, bucket, N class) whose K is nearest to K (log scale; ties: the smaller K), its
+    split-K clamped as reduction_schedule clamps (each share >= 2 BLOCK_K chunks); None when no tuned K is within
+    NEAREST_K_RATIO. A function of (mode, bucket, K, N class) like the table's keys, so q/k/v row views still get
+    the fused call's config (the matched property)."""
+    head, cls = config_key(mode, M, N, K, transposed).split("|")[:2], n_class(N)
+    best = None
+    for key, entry in table.items():
+        parts = key.split("|")
+        if len(parts) != 4 or parts[:2] != head or parts[3] != cls:
+            continue
+        tuned_k = int(parts[2])
+        ratio = max(tuned_k, K) / min(tuned_k, K)
+        if ratio <= NEAREST_K_RATIO and (best is None or (ratio, tuned_k) < best[:2]):
+            best = (ratio, tuned_k, entry)
+    if best is None:
+        return None
+    cfg = GemmConfig(**best[2])
+    return dataclasses.replace(cfg, split_k=max(1, min(cfg.split_k, K // (2 * cfg.block_k))))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -226,7 +269,8 @@ def invariant_gemm_config(mode: str, M: int, N: int, K: int, device=None) -> Gem
     """K2's config in invariant mode: the tiles along T and N of the bucket's measured (else tuned or
     heuristic) config, with the shape's ReductionSchedule and swap_ab."""
     sched = reduction_schedule(mode, N, K)
-    key = (mode, m_bucket(M), n_class(N), K, str(device), knobs().tuned_gpu)     # what the choice reads
+    kn = knobs()
+    key = (mode, m_bucket(M), n_class(N), K, str(device), kn.tuned_gpu, kn.tuned_nearest)   # what the choice reads
     if key not in _invariant:
         cfg = _measured_candidate(mode, M, N, K, sched, device)
         if cfg is None:

@@ -76,8 +76,8 @@ from . import dispatch
 from ._triton_utils import (cdiv, check_pdl, check_tensor, launch, max_shared_mem,
                             require_triton_device, split_counters)
 from .gemm_configs import (GLUON_SCHEDULE, M_BUCKETS, SM90_MAX_SMEM, WIDENINGS, GemmConfig, batch_invariant,
-                           block_r, cached_launch_config, fit_smem, gemm_config, invariant_gemm_config, m_bucket,
-                           rank_chunk, schedule_of)
+                           block_r, cached_launch_config, config_source, fit_smem, gemm_config,
+                           invariant_gemm_config, m_bucket, rank_chunk, schedule_of)
 from .knobs import knobs
 from .gemm_ref import check_lora_gemm_args
 from .metadata import LoRAMeta
@@ -536,7 +536,8 @@ def _output(x, mode, M, N, out_dtype, out):
 
 def _pick_config(config, mode, M, N, K, q, dev) -> tuple[GemmConfig, bool]:
     """(config, invariant): the caller's config, else the batch-invariant one (knob batch_invariant), else the
-    tuned one; dispatch records "lora_gemm.schedule" = explicit | batch_invariant | tuned."""
+    tuned one; dispatch records "lora_gemm.schedule" = explicit | batch_invariant | tuned, and where the tiles
+    come from, "lora_gemm.config" = tuned | nearest_tuned | heuristic (gemm_configs.config_source)."""
     # a transposed view of the codes (the backward's qᵀ, strides (1, N)) has its own tuned entries
     transposed = q.stride(1) != 1 and q.stride(0) == 1
     invariant = config is None and batch_invariant(mode, transposed)
@@ -545,12 +546,19 @@ def _pick_config(config, mode, M, N, K, q, dev) -> tuple[GemmConfig, bool]:
     kn = knobs()
     if kn.host_fast:        # the choice reads the token count only through its bucket (gemm_configs)
         key = (OP, config, mode, m_bucket(M), N, K, transposed, dev, kn)
-        return cached_launch_config(key, lambda: _checked_config(config, invariant, mode, M, N, K, dev,
-                                                                 transposed)), invariant
-    return _checked_config(config, invariant, mode, M, N, K, dev, transposed), invariant
+        cfg, source = cached_launch_config(key, lambda: _checked_config(config, invariant, mode, M, N, K, dev,
+                                                                        transposed))
+    else:
+        cfg, source = _checked_config(config, invariant, mode, M, N, K, dev, transposed)
+    if source is not None:
+        dispatch.record(f"{OP}.config", source)
+    return cfg, invariant
 
 
-def _checked_config(config, invariant, mode, M, N, K, dev, transposed) -> GemmConfig:
+def _checked_config(config, invariant, mode, M, N, K, dev, transposed) -> tuple[GemmConfig, str | None]:
+    """(config, where its tiles come from: None for the caller's; the invariant config takes its tiles from the
+    same choice as the tuned one)."""
+    source = None if config is not None else config_source(mode, M, N, K, dev, transposed=transposed)
     if invariant:
         cfg = invariant_gemm_config(mode, M, N, K, dev)
     else:
@@ -559,7 +567,7 @@ def _checked_config(config, invariant, mode, M, N, K, dev, transposed) -> GemmCo
         raise ValueError(f"rlfp8.kernels.{OP}: tile dims must be >= 16 (tl.dot), got {cfg}")
     if cfg.widen not in WIDENINGS:
         raise ValueError(f"rlfp8.kernels.{OP}: config widen must be one of {WIDENINGS}, got {cfg}")
-    return cfg
+    return cfg, source
 
 
 def _fit_to_device(cfg, mode, rank, device) -> GemmConfig:

@@ -40,6 +40,10 @@ class KernelKnobs:
     fp8_precise_acc: int | None = None
     # which tuned GEMM table (rlfp8/kernels/tuned/<slug>.json) to read; None = the current GPU's name
     tuned_gpu: str | None = None
+    # a K2 key the tuned table lacks (another model's K) takes the nearest tuned K's entry of the same mode,
+    # token bucket and N class (gemm_configs.nearest_tuned_config) instead of the heuristic; off until measured
+    # on a GPU at an untuned shape. dispatch records "lora_gemm.config" = tuned | nearest_tuned | heuristic
+    tuned_nearest: bool = False
     # the engine projection (fp8_lora_linear): K2 as a programmatic dependent launch of K1, its main loop
     # overlapping K1 (same bits). auto = where the GPU is sm_90+ and Triton has gdc_*; on = require it
     # (error elsewhere); off = plain stream order. dispatch records "lora_gemm.launch" = pdl | stream
@@ -68,6 +72,7 @@ ENV_VARS = {
     "RLFP8_W8A16_WIDEN": "w8a16_widen",
     "RLFP8_FP8_PRECISE_ACC": "fp8_precise_acc",
     "RLFP8_TUNED_GPU": "tuned_gpu",
+    "RLFP8_TUNED_NEAREST": "tuned_nearest",
     "RLFP8_PDL": "pdl",
     "RLFP8_PDL_W8A8_QUANT": "pdl_w8a8_quant",
     "RLFP8_BATCH_INVARIANT": "batch_invariant",
@@ -77,7 +82,7 @@ ENV_VARS_BY_KNOB = {knob: var for var, knob in ENV_VARS.items()}
 _NAMES = tuple(f.name for f in dataclasses.fields(KernelKnobs))
 _CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "pdl": PDL_MODES, "pdl_w8a8_quant": PDL_W8A8_QUANT,
             "batch_invariant": BATCH_INVARIANT}
-_FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "host_fast")
+_FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "host_fast", "tuned_nearest")
 
 
 def _validated(name: str, value, source: str):
