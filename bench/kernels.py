@@ -295,7 +295,7 @@ def candidates(mode: str, bucket: int, N: int, K: int) -> list[GemmConfig]:
     table = lg.tuned_table_path()
     near = lg.nearest_tuned_config(json.loads(table.read_text()).get("gemm", {}), mode, bucket, N, K) \
         if table.exists() else None
-    if near is not None:                   # what an untuned key ran before this tuning (gemm_config's fallback)
+    if near is not None:          # the table's entry (a tuned key) or the knob tuned_nearest's fallback (an untuned one)
         raw.append(near)
     # (block_n, block_m, block_k, warps, stages[, swap_ab]); block_n = weight rows, block_m = tokens
     if bucket <= 16:
