@@ -282,10 +282,10 @@ def seq(fns):
 
 # ------------------------------------------------------------------------------------------------ tuning
 def candidates(mode: str, bucket: int, N: int, K: int) -> list[GemmConfig]:
-    """The heuristic config first, then the nearest tuned K's entry (the fallback), then a few tile shapes per bucket in both main-loop orientations
-    (swap_ab: weight rows on the MMA's M side, the widened W8A16 tile as wgmma's register operand; or tokens
-    on the M side, the weight tile through shared memory with 16-byte loads and the four-codes-per-register
-    widening "prmt"), each with the split-K of the heuristic rule, twice it and (decode sizes) half of it,
+    """The heuristic config first, then the nearest tuned K's entry (the fallback), then a few tile shapes per
+    bucket in both main-loop orientations (swap_ab: weight rows on the MMA's M side, the widened W8A16 tile as
+    wgmma's register operand; or tokens on the M side, the weight tile through shared memory with 16-byte loads
+    and the four-codes-per-register widening "prmt"), each with the split-K of the heuristic rule, twice it and (decode sizes) half of it,
     and with TMA weight loads. Configs that do not compile (too much shared memory) or produce a different
     output are skipped by the tuner."""
     fp8 = mode.startswith("w8a8")

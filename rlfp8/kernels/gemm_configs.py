@@ -36,8 +36,8 @@ from .knobs import knobs
 __all__ = ["GLUON_SCHEDULE", "GemmConfig", "INVARIANT_SCHEDULES", "M_BUCKETS", "NUM_SMS_HINT", "RANK_CHUNK",
            "WIDENINGS", "ReductionSchedule", "SM90_MAX_SMEM", "batch_invariant", "block_r", "cached_launch_config",
            "config_generation", "config_key", "config_source", "fit_smem", "rank_chunk",
-           "gemm_config", "invariant_gemm_config", "m_bucket", "n_class", "NEAREST_K_RATIO", "nearest_tuned_config",
-           "reduction_schedule", "reload_tuned_table", "schedule_of", "smem_bytes", "tuned_table_path"]
+           "gemm_config", "gemm_config_and_source", "invariant_gemm_config", "m_bucket", "n_class",
+           "NEAREST_K_RATIO", "nearest_tuned_config", "reduction_schedule", "reload_tuned_table", "schedule_of", "smem_bytes", "tuned_table_path"]
 
 # How W8A16 widens e4m3 weight tiles to bf16, per config (GemmConfig.widen; the PTX is in widen.py): all exact,
 # so all give the same bits; the interpreter always takes "cvt" (it cannot run inline PTX).
@@ -161,16 +161,18 @@ def config_key(mode: str, M: int, N: int, K: int, transposed: bool = False) -> s
 
 def gemm_config(mode: str, M: int, N: int, K: int, device=None, transposed: bool = False) -> GemmConfig:
     """The config the launcher uses: the tuned table's entry for (mode, bucket, K, N class), else (knob
-    tuned_nearest) the nearest tuned K's (nearest_tuned_config), else the heuristic. config_source says which."""
-    return _config_and_source(mode, M, N, K, device, transposed)[0]
+    tuned_nearest) the nearest tuned K's (nearest_tuned_config), else the heuristic."""
+    return gemm_config_and_source(mode, M, N, K, device, transposed)[0]
 
 
 def config_source(mode: str, M: int, N: int, K: int, device=None, transposed: bool = False) -> str:
     """Where gemm_config's answer comes from: "tuned" | "nearest_tuned" | "heuristic" (dispatch records it)."""
-    return _config_and_source(mode, M, N, K, device, transposed)[1]
+    return gemm_config_and_source(mode, M, N, K, device, transposed)[1]
 
 
-def _config_and_source(mode, M, N, K, device, transposed) -> tuple[GemmConfig, str]:
+def gemm_config_and_source(mode: str, M: int, N: int, K: int, device=None,
+                           transposed: bool = False) -> tuple[GemmConfig, str]:
+    """(gemm_config's answer, config_source's) from one lookup."""
     if device is not None and torch.device(device).type == "cuda":
         table = _tuned_table(device)
         entry = table.get(config_key(mode, M, N, K, transposed))
@@ -183,13 +185,14 @@ def _config_and_source(mode, M, N, K, device, transposed) -> tuple[GemmConfig, s
 
 
 # With the knob tuned_nearest, a shape the table has not tuned (another model: Qwen3-32B's K 5120 / 8192 / 25600
-# beside the tuned 8B's 4096 / 12288) takes the winner of the same mode, token bucket and N class at the nearest K, when that K is within this
-# factor: on the H200 every tuned 8B winner beat the heuristic at its own key (1.41-1.55x at 64 tokens in W8A16:
+# beside the tuned 8B's 4096 / 12288) takes the winner of the same mode, token bucket and N class at the nearest
+# K, when that K is within this factor: on the H200 every tuned 8B winner beat the heuristic at its own key (1.41-1.55x at 64 tokens in W8A16:
 # the heuristic has no TMA, no prmt widening, 128-row tiles), and the winners share their tiles across K.
 NEAREST_K_RATIO = 3.0
 
 
-def nearest_tuned_config(table: dict, mode: str, M: int, N: int, K: int, transposed: bool = False) -> GemmConfig | None:
+def nearest_tuned_config(table: dict, mode: str, M: int, N: int, K: int,
+                         transposed: bool = False) -> GemmConfig | None:
     """The tuned entry for (mode, bucket, N class) whose K is nearest to K (log scale; ties: the smaller K), its
     split-K clamped as reduction_schedule clamps (each share >= 2 BLOCK_K chunks); None when no tuned K is within
     NEAREST_K_RATIO. A function of (mode, bucket, K, N class) like the table's keys, so q/k/v row views still get

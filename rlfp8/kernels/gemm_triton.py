@@ -76,7 +76,7 @@ from . import dispatch
 from ._triton_utils import (cdiv, check_pdl, check_tensor, launch, max_shared_mem,
                             require_triton_device, split_counters)
 from .gemm_configs import (GLUON_SCHEDULE, M_BUCKETS, SM90_MAX_SMEM, WIDENINGS, GemmConfig, batch_invariant,
-                           block_r, cached_launch_config, config_source, fit_smem, gemm_config,
+                           block_r, cached_launch_config, config_source, fit_smem, gemm_config_and_source,
                            invariant_gemm_config, m_bucket, rank_chunk, schedule_of)
 from .knobs import knobs
 from .gemm_ref import check_lora_gemm_args
@@ -558,11 +558,12 @@ def _pick_config(config, mode, M, N, K, q, dev) -> tuple[GemmConfig, bool]:
 def _checked_config(config, invariant, mode, M, N, K, dev, transposed) -> tuple[GemmConfig, str | None]:
     """(config, where its tiles come from: None for the caller's; the invariant config takes its tiles from the
     same choice as the tuned one)."""
-    source = None if config is not None else config_source(mode, M, N, K, dev, transposed=transposed)
-    if invariant:
-        cfg = invariant_gemm_config(mode, M, N, K, dev)
+    if config is not None:
+        cfg, source = config, None
+    elif invariant:
+        cfg, source = invariant_gemm_config(mode, M, N, K, dev), config_source(mode, M, N, K, dev)
     else:
-        cfg = config or gemm_config(mode, M, N, K, dev, transposed=transposed)
+        cfg, source = gemm_config_and_source(mode, M, N, K, dev, transposed=transposed)
     if cfg.block_m < 16 or cfg.block_n < 16 or cfg.block_k < 16:
         raise ValueError(f"rlfp8.kernels.{OP}: tile dims must be >= 16 (tl.dot), got {cfg}")
     if cfg.widen not in WIDENINGS:

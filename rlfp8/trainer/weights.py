@@ -95,12 +95,10 @@ class OffloadOnload(QuantizeFromCheckpoint):
         if device.type != "cuda":
             model.to(device)
             return
-        self._to_host(model)
         for p in model.parameters():
             if p.requires_grad and p.device != device:
                 p.data = p.data.to(device)
-        self._settle()
-        self.offloaded = True
+        self.release(model, device)
 
     @staticmethod
     def _to_host(model: nn.Module) -> None:
