@@ -15,7 +15,8 @@ Measured per engine, every engine LoRA-enabled (max_loras=32) so that "without L
                        difference cancels prefill and per-request overhead), median of 3;
   tput[base|tenants32]: 256 requests of 512 random prompt tokens and 256 new tokens (ignore_eos), output
                         tokens per second; tenants32 spreads the requests over 32 adapters.
-Each engine runs in its own process (a clean GPU). Ratios (ours / baseline) are written next to the numbers.
+Each engine runs in its own process (a clean GPU). Ratios (ours / baseline) are written next to the numbers, for
+engines of the same invocation only (each entry records its `run`: command and date).
 """
 from __future__ import annotations
 
@@ -131,11 +132,15 @@ def run_engine(name: str, model_dir: str, adapter_dir: str, rank: int, out: str,
 
 
 def ratios(r: dict) -> dict:
+    """ours / baseline for the pairs the issues name, only where both engines ran in one invocation (each entry's
+    `run`; entries written before `run` existed count as one run): a file can gather engines of several calls."""
     out = {}
 
     def ratio(a, b, path):
         try:
             x, y = r[a], r[b]
+            if x.get("run") != y.get("run"):
+                return None
             for k in path:
                 x, y = x[k], y[k]
             return x / y
@@ -178,15 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--engines: {unknown} not in {list(ENGINES)}")
     make_adapter(work / "adapter", architecture_config("qwen3_8b"), args.rank)
-    result.update({"command": " ".join([sys.executable] + sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                   "graphs": args.graphs})
+    run = {"command": " ".join([sys.executable] + sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    result.update({**run, "graphs": args.graphs})
     for name in args.engines.split(","):
         p = subprocess.run([sys.executable, __file__, "--out", args.out, "--one", name, "--rank", str(args.rank),
                             "--work", str(work), "--graphs", args.graphs], capture_output=True, text=True)
         (work / f"{name}.log").write_text(p.stdout + "\n---- stderr ----\n" + p.stderr)
         part = work / f"{name}.json"
-        result["engines"][name] = (json.loads(part.read_text()) if p.returncode == 0 and part.exists()
-                                   else {"error": p.stderr[-3000:]})
+        result["engines"][name] = {**(json.loads(part.read_text()) if p.returncode == 0 and part.exists()
+                                      else {"error": p.stderr[-3000:]}), "run": run}
         result["ratios"] = ratios(result["engines"])
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))

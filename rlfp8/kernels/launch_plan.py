@@ -16,6 +16,7 @@ name everything the chain reads besides the inputs' contents and the pre-existin
 """
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 
 import torch
@@ -87,8 +88,8 @@ def _resolve(kind, ref, inputs, bufs):
     if kind == _ALLOC_VIEW:
         i, shape, stride, offset = ref
         return bufs[i].as_strided(shape, stride, offset)
-    desc_type, base_kind, base_ref, shape, strides, block, padding = ref
-    return desc_type(_resolve(base_kind, base_ref, inputs, bufs), shape, strides, block, padding)
+    desc_type, base_kind, base_ref, fields = ref
+    return desc_type(base=_resolve(base_kind, base_ref, inputs, bufs), **fields)
 
 
 class _Capture:
@@ -142,11 +143,14 @@ class _Capture:
         if isinstance(a, torch.Tensor):
             spec = self._tensor(a, allocs)
             return None if spec[0] is None else spec
-        if hasattr(a, "block_shape") and hasattr(a, "base"):        # triton TensorDescriptor
+        if hasattr(a, "block_shape") and hasattr(a, "base"):        # a TensorDescriptor (Triton's or Gluon's)
             kind, ref = self._tensor(a.base, allocs)
             if kind is None:
                 return None
-            return _TMA, (type(a), kind, ref, a.shape, a.strides, a.block_shape, a.padding)
+            if not dataclasses.is_dataclass(a):
+                raise _NotReplayable(f"a tensor descriptor {type(a).__name__} that is not a dataclass")
+            fields = {f.name: getattr(a, f.name) for f in dataclasses.fields(a) if f.name != "base"}
+            return _TMA, (type(a), kind, ref, fields)       # every field: Gluon's also has its smem layout
         return None
 
     def _tensor(self, t, allocs):

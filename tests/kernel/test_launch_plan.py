@@ -234,6 +234,36 @@ def test_capture_classifies_arguments_and_refuses_what_it_cannot_redo():
         assert cap.plan(None) is None and "aten.zeros" in cap.why
 
 
+def test_tensor_descriptors_rebuilt_with_every_field():
+    """Triton's host TensorDescriptor and Gluon's (which also carries its shared-memory layout: a replay that
+    dropped it failed in the W8A16 engine's prefill on the H200) are rebuilt over the replay's tensors with the
+    recorded block shape, layout and padding."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    import triton.experimental.gluon.language as gl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for([16, 32], gl.bfloat16)
+
+    def call(x):
+        buf = torch.empty(64, 32, dtype=torch.bfloat16)
+        tu.launch("kernel", (2,), GluonDescriptor.from_tensor(x, [16, 32], layout),
+                  TensorDescriptor.from_tensor(buf, [16, 32], padding="nan"), BLOCK=16)
+        return buf
+    x = torch.randn(64, 32).bfloat16()
+    with tu.collect_launches() as rec:
+        with launch_plan.capture((x,)) as cap:
+            buf = call(x)
+        plan = cap.plan(buf)
+        assert plan is not None, cap.why
+        x2 = torch.randn(64, 32).bfloat16()
+        y = plan.replay((x2,))
+    gluon_desc, triton_desc = rec[-1][2]
+    assert type(gluon_desc) is GluonDescriptor and gluon_desc.base is x2 and gluon_desc.layout == layout
+    assert list(gluon_desc.block_shape) == [16, 32] and gluon_desc.padding == "zero"
+    assert type(triton_desc) is TensorDescriptor and triton_desc.base is y and triton_desc.padding == "nan"
+    assert y is not buf and y.shape == (64, 32)
+
+
 def test_every_kernel_launch_goes_through_the_recorded_launcher():
     """A plan replays only the launches `_triton_utils.launch` saw: a kernel launched as kernel[grid](...) anywhere
     else in rlfp8 would be silently left out of every replay."""

@@ -1,6 +1,6 @@
-"""gemm_configs.nearest_tuned_config: a shape the tuned table lacks (Qwen3-32B's K on the H200 table, tuned at
-Qwen3-8B's) takes the winner of the same mode, token bucket and N class at the nearest K, its split-K clamped;
-too far a K keeps the heuristic; the choice is a function of the table key's fields (so q/k/v row views still
+"""gemm_configs.nearest_tuned_config: a shape the tuned table lacks (Qwen3-32B's K on the H200 table's entries
+tuned at Qwen3-8B's; a Llama-3-8B projection on the shipped table) takes the winner of the same mode, token
+bucket and N class at the nearest K, its split-K clamped; too far a K keeps the heuristic; the choice is a function of the table key's fields (so q/k/v row views still
 share the fused call's config), and on a CPU nothing changes (no table is read)."""
 import dataclasses
 import json
@@ -8,8 +8,11 @@ from pathlib import Path
 
 from rlfp8.kernels import gemm_configs as lg
 
-H200_TABLE = json.loads((Path(lg.__file__).parent / "tuned" / "nvidia_h200.json").read_text())["gemm"]
+SHIPPED = json.loads((Path(lg.__file__).parent / "tuned" / "nvidia_h200.json").read_text())["gemm"]
+QWEN3_8B_KS = {4096, 12288, 6144, 24576}       # the forward Ks of its layer and the dx GEMMs' (q, k, v / gate, up)
+H200_TABLE = {k: v for k, v in SHIPPED.items() if int(k.split("|")[2]) in QWEN3_8B_KS}   # as tuned at 8B only
 QWEN3_32B = {"qkv": (5120, 10240), "o": (8192, 5120), "gate_up": (5120, 51200), "down": (25600, 5120)}
+LLAMA3_8B_DOWN = (14336, 4096)                 # (K, N): a shape the shipped table has no key for
 
 
 def test_32b_projections_take_the_nearest_tuned_8b_winner_of_their_bucket_and_class():
@@ -57,7 +60,8 @@ def test_on_a_cpu_the_heuristic_runs_and_says_so():
 
 def test_the_knob_turns_the_fallback_on_for_a_named_gpu_and_the_source_says_so():
     from rlfp8.kernels.knobs import restore_knobs, set_knobs
-    K, N = QWEN3_32B["down"]
+    K, N = LLAMA3_8B_DOWN
+    assert lg.config_key("w8a16", 64, N, K) not in SHIPPED
     saved = set_knobs(tuned_gpu="NVIDIA H200")
     try:           # the table is read for a CUDA device name; nothing runs on it
         lg.reload_tuned_table()
@@ -65,9 +69,12 @@ def test_the_knob_turns_the_fallback_on_for_a_named_gpu_and_the_source_says_so()
         assert lg.config_source("w8a16", 64, 4096, 12288, "cuda") == "tuned"
         set_knobs(tuned_gpu="NVIDIA H200", tuned_nearest=True)
         assert lg.config_source("w8a16", 64, N, K, "cuda") == "nearest_tuned"
-        assert lg.gemm_config("w8a16", 64, N, K, "cuda") == lg.nearest_tuned_config(H200_TABLE, "w8a16", 64, N, K)
+        nearest = lg.nearest_tuned_config(SHIPPED, "w8a16", 64, N, K)
+        assert nearest is not None and lg.gemm_config("w8a16", 64, N, K, "cuda") == nearest
         inv = lg.invariant_gemm_config("w8a16", 64, N, K, "cuda")                     # tiles from it, schedule fixed
-        assert (inv.block_n, inv.split_k, inv.block_k) == (64, 2, 128)
+        sched = lg.reduction_schedule("w8a16", N, K)
+        assert (inv.block_n, inv.block_m) == (nearest.block_n, nearest.block_m)
+        assert (inv.split_k, inv.block_k, inv.swap_ab) == (sched.split_k, sched.block_k, True)
     finally:
         restore_knobs(saved)
         lg.reload_tuned_table()

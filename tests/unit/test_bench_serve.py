@@ -24,6 +24,18 @@ def test_ratios_are_ours_over_the_baseline(serve):
     assert not any(k.startswith("ours_w8a16") for k in r)          # an engine that failed gives no ratio
 
 
+def test_ratios_only_within_one_run(serve):
+    one, other = {"command": "serve.py --engines ours_w8a8,vllm_fp8", "date": "d1"}, {"command": "c2", "date": "d2"}
+    engines = {"ours_w8a8": {"tpot_ms": {"lora1": 5.0}, "run": one},
+               "vllm_fp8": {"tpot_ms": {"lora1": 8.0}, "run": one},
+               "ours_w8a16": {"tpot_ms": {"lora1": 6.0}, "run": other},
+               "vllm_bf16": {"tpot_ms": {"lora1": 9.0}, "run": other}}
+    r = serve.ratios(engines)
+    assert r["ours_w8a8_lora1_tpot_vs_vllm_fp8_lora1"] == pytest.approx(5.0 / 8.0)
+    assert r["ours_w8a16_lora1_tpot_vs_vllm_bf16_lora1"] == pytest.approx(6.0 / 9.0)
+    assert "ours_w8a16_lora1_tpot_vs_ours_w8a8" not in r            # two calls: not one run
+
+
 def test_one_file_holds_one_graph_mode(serve, tmp_path):
     out = tmp_path / "serve.json"
     out.write_text(json.dumps({"engines": {"vllm_fp8": {}}}))       # written before --graphs existed: compiled
