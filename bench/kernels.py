@@ -181,8 +181,9 @@ class Layer:
                                        .to(torch.bfloat16) for n in widths))
                           for name, (K, widths) in PROJ.items()}
         Ks = sorted({K for K, _ in PROJ.values()})
+        extra = [M for M in tune_ms().values() if M not in (*MS, TRAIN_TOKENS)]     # drawn last: MS's inputs kept
         self.x = {M: {K: torch.randn(M, K, device=DEV, dtype=torch.bfloat16, generator=g) for K in Ks}
-                  for M in (*MS, TRAIN_TOKENS)}
+                  for M in (*MS, TRAIN_TOKENS, *extra)}
         self.xq = {M: {K: quantize_activation_triton(self.x[M][K]) for K in Ks} for M in self.x}
         self.vmeta, self.meta = {}, {}
         for M in MS:
@@ -370,6 +371,12 @@ def _try_variant(c: GemmConfig, best: tuple, layer: Layer, timer: Timer, names, 
     return (tot, c) if tot < best[0] else best
 
 
+def tune_ms() -> dict[int, int]:
+    """{token bucket: the M tuned for it}: every bucket of the table (the engine's decode batches fall in all of
+    them as sequences finish), at the benchmark's largest M in the bucket, else the bucket's bound."""
+    return {b: max((m for m in MS if lg.m_bucket(m) == b), default=b) for b in lg.M_BUCKETS}
+
+
 def _tune_jobs(layer: Layer, keys: str | None):
     """(forward jobs (mode, M, K, projection names sharing the key), dx-GEMM projection names) to tune."""
     groups: dict[tuple, list] = {}
@@ -377,8 +384,7 @@ def _tune_jobs(layer: Layer, keys: str | None):
         groups.setdefault((K, lg.n_class(sum(widths))), []).append(name)
     jobs = []
     for mode in ("w8a8", "w8a16"):
-        for b in sorted({lg.m_bucket(m) for m in MS}):
-            M = max(m for m in MS if lg.m_bucket(m) == b)                  # the largest M of each bucket
+        for b, M in tune_ms().items():
             if mode == "w8a16" and b == lg.M_BUCKETS[-1]:
                 M = TRAIN_TOKENS                # W8A16 at the largest sizes: the trainer's forward (8x1024)
             for (K, ncls), names in groups.items():
@@ -481,13 +487,13 @@ def _tune_dx_key(layer: Layer, timer: Timer, name, reps, report):
 
 def tune(layer: Layer, timer: Timer, deadline: float, reps: int, keys: str | None = None) -> dict:
     """Groups share a config (see gemm_configs.config_key): (K=4096, narrow) = qkv + o, (4096, wide) = gate_up,
-    (12288, narrow) = down; tuned at one M per bucket of the benchmark; the training dx GEMMs at 8192 tokens."""
+    (12288, narrow) = down; tuned at one M per token bucket (tune_ms); the training dx GEMMs at 8192 tokens."""
     jobs, dx_names = _tune_jobs(layer, keys)
     _precompile_candidates(layer, jobs, dx_names)
     table, report = {}, {}
     for mode, M, K, names in jobs:
         if time.time() > deadline:
-            log("tune: time budget reached, remaining keys keep the heuristic")
+            log("tune: time budget reached, remaining keys keep their current entry (tuned or heuristic)")
             break
         key, best = _tune_forward_key(layer, timer, mode, M, K, names, reps, report)
         if best is not None:
@@ -767,21 +773,21 @@ def _args(argv):
     return a
 
 
-def kept_entries(old: dict, new_keys: set[str], tune_keys: str | None, ks: set[int]) -> dict:
-    """Entries of the existing table that survive a tuning run: those of other shapes (K not tuned here) always;
-    with --tune-keys, also this shape's that the run did not redo."""
-    return {k: v for k, v in old.items() if k not in new_keys and
-            (tune_keys is not None or int(k.split("|")[2]) not in ks)}
+def kept_entries(old: dict, new_keys: set[str]) -> dict:
+    """Entries of the existing table that survive a tuning run: every one the run did not redo (other shapes',
+    other --tune-keys', and those a run cut by its --budget-s never reached: a partial run must not send them back
+    to the heuristic)."""
+    return {k: v for k, v in old.items() if k not in new_keys}
 
 
 def _tune_and_write_table(layer, timer, a) -> dict:
-    """Tune, merge with the kept entries of an existing table (--tune-keys), write it, reload it."""
+    """Tune, merge with the entries of an existing table the run did not redo, write it, reload it."""
     table = tune(layer, timer, T0 + a.budget_s, a.tune_reps, a.tune_keys)
     path = lg.tuned_table_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():             # keep the entries that were not retuned (other shapes', and --tune-keys')
-        old, ks = json.loads(path.read_text()), table_ks(PROJ)
-        keep = lambda part: kept_entries(old.get(part, {}), set(table[part]), a.tune_keys, ks)
+        old = json.loads(path.read_text())
+        keep = lambda part: kept_entries(old.get(part, {}), set(table[part]))
         table = {"gemm": {**keep("gemm"), **table["gemm"]},
                  "candidates": {**keep("candidates"), **table["candidates"]},
                  # hand edits (with their measurements) of entries the tuner did not redo

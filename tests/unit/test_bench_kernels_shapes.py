@@ -19,15 +19,16 @@ def test_projection_shapes_from_the_architecture_configs():
     assert not kb.table_ks(p32) & kb.table_ks(kb.PROJ)         # disjoint keys: the shapes never share an entry
 
 
-def test_a_tuning_run_keeps_other_shapes_entries_and_with_tune_keys_the_untouched_ones():
+def test_a_tuning_run_replaces_only_the_entries_it_redid():
+    """Another shape's entries, other --tune-keys', and this shape's keys a run cut by its budget never reached all
+    stay (session 9's 32B run stopped before its training keys; dropping the 8B ones that way would have sent the
+    engine back to heuristic tiles)."""
     old = {"w8a16|64|4096|narrow": 1, "w8a16|64|12288|narrow": 2, "w8a16T|4611686018427387904|6144|narrow": 3,
-           "w8a16|64|5120|narrow": 4}
-    ks32 = kb.table_ks(kb.projection_shapes("qwen3_32b"))
-    new32 = {"w8a16|64|5120|wide"}
-    assert kb.kept_entries(old, new32, None, ks32) == {k: v for k, v in old.items() if k != "w8a16|64|5120|narrow"}
-    assert kb.kept_entries(old, new32, "w8a16\\|64\\|5120\\|wide", ks32) == old
-    ks8 = kb.table_ks(kb.PROJ)                                 # a full 8B retune replaces the 8B keys only
-    assert kb.kept_entries(old, {"w8a16|64|4096|narrow"}, None, ks8) == {"w8a16|64|5120|narrow": 4}
+           "w8a16|64|5120|wide": 4}
+    assert kb.kept_entries(old, {"w8a16|64|5120|wide"}) == {k: v for k, v in old.items() if k != "w8a16|64|5120|wide"}
+    assert kb.kept_entries(old, {"w8a16|64|4096|narrow"}) == {k: v for k, v in old.items()
+                                                              if k != "w8a16|64|4096|narrow"}
+    assert kb.kept_entries(old, set()) == old
 
 
 def test_out_defaults_by_shape_and_the_readme_table_stays_8b(capsys):
@@ -36,3 +37,22 @@ def test_out_defaults_by_shape_and_the_readme_table_stays_8b(capsys):
     with pytest.raises(SystemExit):
         kb._args(["--shape", "qwen3_32b", "--update-readme"])
     assert "--update-readme" in capsys.readouterr().err
+
+
+def test_tuning_covers_every_token_bucket_the_engine_reaches():
+    """Decode batches shrink through every bucket as sequences finish; a bucket the tuner skips runs heuristic
+    tiles in the engine (session 9's records: 2560 heuristic K2 calls at 32B, buckets 32 / 128 / 512)."""
+    import torch
+    from rlfp8.kernels import gemm_configs as lg
+    ms = kb.tune_ms()
+    assert set(ms) == set(lg.M_BUCKETS) and all(lg.m_bucket(M) == b for b, M in ms.items())
+    assert {ms[32], ms[128], ms[512]} == {32, 128, 512} and ms[64] == 64 and ms[lg.M_BUCKETS[-1]] == 2048
+    layer = type("L", (), {"w": {n: (torch.empty(sum(w), 1),) for n, (_, w) in kb.PROJ.items()}})()
+    jobs, dx = kb._tune_jobs(layer, None)
+    buckets = {(mode, lg.m_bucket(M)) for mode, M, _, _ in jobs}
+    assert buckets == {(mode, b) for mode in ("w8a8", "w8a16") for b in lg.M_BUCKETS}
+    assert {M for mode, M, _, _ in jobs if mode == "w8a16" and lg.m_bucket(M) == lg.M_BUCKETS[-1]} == \
+        {kb.TRAIN_TOKENS}
+    assert len(jobs) == 2 * len(lg.M_BUCKETS) * 3 and set(dx) == set(kb.PROJ)   # 3 (K, N class) groups at 8B
+    only = kb._tune_jobs(layer, "^w8a16\\|(32|128|512)\\|")[0]                 # the new buckets alone
+    assert sorted({M for _, M, _, _ in only}) == [32, 128, 512] and len(only) == 9
