@@ -80,10 +80,12 @@ e2e)
 plugin)
     timeout 400 $PY -m pytest tests/gpu/test_plugin_gpu.py -m gpu -q -rs -x --timeout 380 2>&1 | tee "$OUT/plugin_tests.log" | tail -25
     ;;
-serve)     # SERVE_GRAPHS=decode: every engine with decode graphs and no torch.compile (seconds per start; own file)
+serve)     # SERVE_GRAPHS=decode: every engine with decode graphs and no torch.compile (seconds per start; own file);
+           # SERVE_PROFILE=1: also each engine's kernel-time summary of a profiled throughput run (serve.py --profile)
     mkdir -p "$OUT/r"; g=${SERVE_GRAPHS:-compiled}; f=serve_h200.json; [ "$g" = compiled ] || f=serve_${g}_h200.json
     [ -f "$OUT/r/$f" ] || cp "bench/results/$f" "$OUT/r/" 2>/dev/null
-    timeout 560 $PY bench/serve.py --out "$OUT/r/$f" --graphs "$g" --engines "${ENGINES:-ours_w8a16,vllm_bf16}" 2>&1 | tail -40
+    timeout 560 $PY bench/serve.py --out "$OUT/r/$f" --graphs "$g" --engines "${ENGINES:-ours_w8a16,vllm_bf16}" \
+        ${SERVE_PROFILE:+--profile} 2>&1 | tail -40
     cp /tmp/rlfp8-serve/*.log "$OUT/" 2>/dev/null
     ;;
 profile)   # bench/step_profile.py on the quickstart (default config, then PROFILE_VARIANTS: "label:ov,ov;label:ov")

@@ -15,6 +15,8 @@ Measured per engine, every engine LoRA-enabled (max_loras=32) so that "without L
                        difference cancels prefill and per-request overhead), median of 3;
   tput[base|tenants32]: 256 requests of 512 random prompt tokens and 256 new tokens (ignore_eos), output
                         tokens per second; tenants32 spreads the requests over 32 adapters.
+--profile adds, per engine, one more throughput run of each kind under the CUDA profiler: GPU time per kernel
+group and per generated token, the busy fraction (kernel time / wall), the costliest kernels (`profile`).
 Each engine runs in its own process (a clean GPU). Ratios (ours / baseline) are written next to the numbers, for
 engines of the same invocation only (each entry records its `run`: command and date).
 """
@@ -70,7 +72,36 @@ GRAPH_MODES = {   # the same for every engine of one run
 }
 
 
-def run_engine(name: str, model_dir: str, adapter_dir: str, rank: int, out: str, graphs: str = "compiled") -> None:
+KERNEL_GROUPS = (   # (group, name pattern), first match wins; each engine runs alone, so a name means one side's kernel
+    ("gemm+lora epilogue (rlfp8 K2)", r"_lora_gemm(_rs)?_kernel"),
+    ("lora shrink (K1 / vLLM's)", r"lora_shrink"),
+    ("lora expand (vLLM's)", r"lora_expand"),
+    ("activation quant", r"quant"),
+    ("gemm (cuBLAS / CUTLASS)", r"gemm|cutlass|nvjet|xmma|cublas|sm90_"),
+    ("attention + KV cache", r"flash|fmha|attn|attention|paged|reshape_and_cache|kv_cache"),
+    ("norm / activation / rope", r"norm|silu|act_and_mul|rotary|rope"),
+    ("sampling", r"sample|topk|top_k|argmax|softmax|gumbel|exponential"),
+)
+
+
+def kernel_summary(kernels: list[tuple[str, float, int]], wall_s: float, tokens: int) -> dict:
+    """Where a profiled run's GPU time went: [(kernel name, total device µs, calls)] grouped by KERNEL_GROUPS
+    (µs per generated token; "other" for the rest), the busy fraction (summed kernel time / wall: well below 1
+    means the GPU waits on the host), and the 20 costliest kernels."""
+    import re
+    groups: dict[str, float] = {}
+    for kname, us, _ in kernels:
+        g = next((g for g, pat in KERNEL_GROUPS if re.search(pat, kname, re.IGNORECASE)), "other")
+        groups[g] = groups.get(g, 0.0) + us
+    busy_us = sum(us for _, us, _ in kernels)
+    top = sorted(kernels, key=lambda k: -k[1])[:20]
+    return {"wall_s": wall_s, "tokens": tokens, "gpu_busy_fraction": busy_us / (wall_s * 1e6) if wall_s else None,
+            "us_per_token": {g: us / tokens for g, us in sorted(groups.items(), key=lambda kv: -kv[1])},
+            "top_kernels": [{"name": n[:160], "us": round(us, 1), "calls": c} for n, us, c in top]}
+
+
+def run_engine(name: str, model_dir: str, adapter_dir: str, rank: int, out: str, graphs: str = "compiled",
+               profile: bool = False) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
     quant = ENGINES[name]
@@ -121,9 +152,29 @@ def run_engine(name: str, model_dir: str, adapter_dir: str, rank: int, out: str,
         dt, n = timed(prompts, sp, lora)
         return n / dt
 
+    def profiled(tenants):
+        """One more throughput run under the CUDA profiler (its own numbers: CUPTI adds overhead)."""
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+        prompts = [prompt(512) for _ in range(256)]
+        sp = SamplingParams(max_tokens=256, min_tokens=256, temperature=0.0, ignore_eos=True, detokenize=False)
+        lora = [loras[i % tenants] for i in range(256)] if tenants else None
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            dt, n = timed(prompts, sp, lora)
+        rows = [(e.key, getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0), e.count)
+                for e in prof.key_averages()]
+        return kernel_summary([r for r in rows if r[1] > 0], dt, n)
+
     res = {"engine": name, "quantization": quant, "graphs": graphs, "start_s": round(start_s, 1),
            "tpot_ms": {"base": tpot(None), "lora1": tpot(loras[0])},
            "tput_tok_s": {"base": throughput(0), "tenants32": throughput(32)}}
+    if profile:                 # a diagnostic after the measurements: its failure is recorded, not fatal to them
+        res["profile"] = {}
+        for label, tenants in (("base", 0), ("tenants32", 32)):
+            try:
+                res["profile"][label] = profiled(tenants)
+            except Exception as e:
+                res["profile"][label] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
     from rlfp8.kernels import dispatch
     res["kernels"] = dispatch.report()
     res["peak_memory_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -165,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--graphs", default="compiled", choices=list(GRAPH_MODES),
                     help="compiled: torch.compile + CUDA graphs (vLLM's default, minutes per start; the issue's "
                          "numbers); decode: full CUDA graphs of decode steps without torch.compile (seconds)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the measurements, one more throughput run per engine (no LoRA, 32 tenants) under "
+                         "the CUDA profiler: GPU time per kernel group and per token, busy fraction, top kernels")
     ap.add_argument("--one", help=argparse.SUPPRESS)           # internal: run one engine in this process
     args = ap.parse_args(argv)
     work = Path(args.work)
@@ -172,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = random_model_folder("qwen3_8b", work / "qwen3_8b")
     if args.one:
         run_engine(args.one, str(model_dir), str(work / "adapter"), args.rank, str(work / f"{args.one}.json"),
-                   args.graphs)
+                   args.graphs, args.profile)
         return 0
     out = Path(args.out)
     result = json.loads(out.read_text()) if out.exists() else {"engines": {}, "graphs": args.graphs}
@@ -187,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     result.update({**run, "graphs": args.graphs})
     for name in args.engines.split(","):
         p = subprocess.run([sys.executable, __file__, "--out", args.out, "--one", name, "--rank", str(args.rank),
-                            "--work", str(work), "--graphs", args.graphs], capture_output=True, text=True)
+                            "--work", str(work), "--graphs", args.graphs] + ["--profile"] * args.profile,
+                           capture_output=True, text=True)
         (work / f"{name}.log").write_text(p.stdout + "\n---- stderr ----\n" + p.stderr)
         part = work / f"{name}.json"
         result["engines"][name] = {**(json.loads(part.read_text()) if p.returncode == 0 and part.exists()

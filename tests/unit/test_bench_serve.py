@@ -45,3 +45,19 @@ def test_one_file_holds_one_graph_mode(serve, tmp_path):
         serve.main(["--out", str(tmp_path / "new.json"), "--engines", "ours_w4", "--work", str(tmp_path / "w")])
     assert serve.GRAPH_MODES["decode"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
     assert serve.GRAPH_MODES["decode"]["cudagraph_capture_sizes"] == serve.GRAPH_MODES["compiled"]["cudagraph_capture_sizes"]
+
+
+def test_kernel_summary_groups_gpu_time_per_token(serve):
+    kernels = [("_lora_gemm_kernel", 600.0, 10), ("_lora_gemm_rs_kernel", 200.0, 2), ("_lora_shrink_kernel", 100.0, 5),
+               ("_quant_rows_kernel", 50.0, 10), ("nvjet_tst_128x64_64x4", 300.0, 4),
+               ("flash::flash_fwd_splitkv_kernel", 150.0, 3), ("vllm::rms_norm_kernel", 40.0, 9),
+               ("Memcpy HtoD (Pageable -> Device)", 10.0, 1)]
+    s = serve.kernel_summary(kernels, wall_s=0.002, tokens=10)
+    per = s["us_per_token"]
+    assert per["gemm+lora epilogue (rlfp8 K2)"] == pytest.approx(80.0)
+    assert per["lora shrink (K1 / vLLM's)"] == pytest.approx(10.0) and per["activation quant"] == pytest.approx(5.0)
+    assert per["gemm (cuBLAS / CUTLASS)"] == pytest.approx(30.0) and per["attention + KV cache"] == pytest.approx(15.0)
+    assert per["norm / activation / rope"] == pytest.approx(4.0) and per["other"] == pytest.approx(1.0)
+    assert list(per)[0] == "gemm+lora epilogue (rlfp8 K2)"                     # costliest group first
+    assert s["gpu_busy_fraction"] == pytest.approx(1450.0 / 2000.0)
+    assert s["top_kernels"][0] == {"name": "_lora_gemm_kernel", "us": 600.0, "calls": 10}
