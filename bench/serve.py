@@ -168,6 +168,8 @@ def run_engine(name: str, model_dir: str, adapter_dir: str, rank: int, out: str,
     res = {"engine": name, "quantization": quant, "graphs": graphs, "start_s": round(start_s, 1),
            "tpot_ms": {"base": tpot(None), "lora1": tpot(loras[0])},
            "tput_tok_s": {"base": throughput(0), "tenants32": throughput(32)}}
+    from rlfp8.kernels import dispatch
+    res["kernels"] = dispatch.report()                  # the measured runs' paths, before any profiled run
     if profile:                 # a diagnostic after the measurements: its failure is recorded, not fatal to them
         res["profile"] = {}
         for label, tenants in (("base", 0), ("tenants32", 32)):
@@ -175,8 +177,6 @@ def run_engine(name: str, model_dir: str, adapter_dir: str, rank: int, out: str,
                 res["profile"][label] = profiled(tenants)
             except Exception as e:
                 res["profile"][label] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
-    from rlfp8.kernels import dispatch
-    res["kernels"] = dispatch.report()
     res["peak_memory_gib"] = torch.cuda.max_memory_reserved() / 2**30
     Path(out).write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=1), flush=True)
