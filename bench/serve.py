@@ -252,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(result, indent=2))
         print(name, json.dumps(result["engines"][name])[:600], flush=True)
     import torch
+    import triton
     import vllm
-    result["versions"] = {"torch": torch.__version__, "vllm": vllm.__version__,
+    result["versions"] = {"torch": torch.__version__, "triton": triton.__version__, "vllm": vllm.__version__,
                           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
     out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result["ratios"], indent=1))
