@@ -77,11 +77,6 @@ def projection_shapes(arch: str) -> dict:
             "down": (inter, (hidden,))}
 
 
-def table_ks(proj: dict) -> set[int]:
-    """The K fields of the tuned-table keys these projections tune (forward K; the dx GEMM keys by the width)."""
-    return {K for K, _ in proj.values()} | {sum(widths) for _, widths in proj.values()}
-
-
 def log(msg):
     print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
@@ -286,9 +281,9 @@ def candidates(mode: str, bucket: int, N: int, K: int) -> list[GemmConfig]:
     """The heuristic config first, then the nearest tuned K's entry (the fallback), then a few tile shapes per
     bucket in both main-loop orientations (swap_ab: weight rows on the MMA's M side, the widened W8A16 tile as
     wgmma's register operand; or tokens on the M side, the weight tile through shared memory with 16-byte loads
-    and the four-codes-per-register widening "prmt"), each with the split-K of the heuristic rule, twice it and (decode sizes) half of it,
-    and with TMA weight loads. Configs that do not compile (too much shared memory) or produce a different
-    output are skipped by the tuner."""
+    and the four-codes-per-register widening "prmt"), each with the split-K of the heuristic rule, twice it and
+    (decode sizes) half of it, and with TMA weight loads. Configs that do not compile (too much shared memory) or
+    produce a different output are skipped by the tuner."""
     fp8 = mode.startswith("w8a8")
     bk_big = 128 if fp8 else 64
     base = lg._heuristic(mode, bucket, N, K)
@@ -296,7 +291,7 @@ def candidates(mode: str, bucket: int, N: int, K: int) -> list[GemmConfig]:
     table = lg.tuned_table_path()
     near = lg.nearest_tuned_config(json.loads(table.read_text()).get("gemm", {}), mode, bucket, N, K) \
         if table.exists() else None
-    if near is not None:          # the table's entry (a tuned key) or the knob tuned_nearest's fallback (an untuned one)
+    if near is not None:      # the table's entry (a tuned key) or the knob tuned_nearest's fallback (an untuned one)
         raw.append(near)
     # (block_n, block_m, block_k, warps, stages[, swap_ab]); block_n = weight rows, block_m = tokens
     if bucket <= 16:
@@ -785,7 +780,7 @@ def _tune_and_write_table(layer, timer, a) -> dict:
     table = tune(layer, timer, T0 + a.budget_s, a.tune_reps, a.tune_keys)
     path = lg.tuned_table_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists():             # keep the entries that were not retuned (other shapes', and --tune-keys')
+    if path.exists():             # keep every entry this run did not redo (kept_entries)
         old = json.loads(path.read_text())
         keep = lambda part: kept_entries(old.get(part, {}), set(table[part]))
         table = {"gemm": {**keep("gemm"), **table["gemm"]},

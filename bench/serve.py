@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -88,7 +89,6 @@ def kernel_summary(kernels: list[tuple[str, float, int]], wall_s: float, tokens:
     """Where a profiled run's GPU time went: [(kernel name, total device µs, calls)] grouped by KERNEL_GROUPS
     (µs per generated token; "other" for the rest), the busy fraction (summed kernel time / wall: well below 1
     means the GPU waits on the host), and the 20 costliest kernels."""
-    import re
     groups: dict[str, float] = {}
     for kname, us, _ in kernels:
         g = next((g for g, pat in KERNEL_GROUPS if re.search(pat, kname, re.IGNORECASE)), "other")

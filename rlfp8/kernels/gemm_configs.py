@@ -37,7 +37,8 @@ __all__ = ["GLUON_SCHEDULE", "GemmConfig", "INVARIANT_SCHEDULES", "M_BUCKETS", "
            "WIDENINGS", "ReductionSchedule", "SM90_MAX_SMEM", "batch_invariant", "block_r", "cached_launch_config",
            "config_generation", "config_key", "config_source", "fit_smem", "rank_chunk",
            "gemm_config", "gemm_config_and_source", "invariant_gemm_config", "m_bucket", "n_class",
-           "NEAREST_K_RATIO", "nearest_tuned_config", "reduction_schedule", "reload_tuned_table", "schedule_of", "smem_bytes", "tuned_table_path"]
+           "NEAREST_K_RATIO", "nearest_tuned_config", "reduction_schedule", "reload_tuned_table", "schedule_of",
+           "smem_bytes", "tuned_table_path"]
 
 # How W8A16 widens e4m3 weight tiles to bf16, per config (GemmConfig.widen; the PTX is in widen.py): all exact,
 # so all give the same bits; the interpreter always takes "cvt" (it cannot run inline PTX).
@@ -186,8 +187,9 @@ def gemm_config_and_source(mode: str, M: int, N: int, K: int, device=None,
 
 # With the knob tuned_nearest, a shape the table has not tuned (another model: Qwen3-32B's K 5120 / 8192 / 25600
 # beside the tuned 8B's 4096 / 12288) takes the winner of the same mode, token bucket and N class at the nearest
-# K, when that K is within this factor: on the H200 every tuned 8B winner beat the heuristic at its own key (1.41-1.55x at 64 tokens in W8A16:
-# the heuristic has no TMA, no prmt widening, 128-row tiles), and the winners share their tiles across K.
+# K, when that K is within this factor: on the H200 every tuned 8B winner beat the heuristic at its own key
+# (1.41-1.55x at 64 tokens in W8A16: the heuristic has no TMA, no prmt widening, 128-row tiles), and the
+# winners share their tiles across K.
 NEAREST_K_RATIO = 3.0
 
 

@@ -1,7 +1,8 @@
 """gemm_configs.nearest_tuned_config: a shape the tuned table lacks (Qwen3-32B's K on the H200 table's entries
 tuned at Qwen3-8B's; a Llama-3-8B projection on the shipped table) takes the winner of the same mode, token
-bucket and N class at the nearest K, its split-K clamped; too far a K keeps the heuristic; the choice is a function of the table key's fields (so q/k/v row views still
-share the fused call's config), and on a CPU nothing changes (no table is read)."""
+bucket and N class at the nearest K, its split-K clamped; too far a K keeps the heuristic; the choice is a
+function of the table key's fields (so q/k/v row views still share the fused call's config), and on a CPU
+nothing changes (no table is read)."""
 import dataclasses
 import json
 from pathlib import Path

@@ -10,13 +10,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import kernels as kb  # noqa: E402
 
 
+def table_ks(proj: dict) -> set[int]:
+    """The K fields of the tuned-table keys these projections tune (forward K; the dx GEMM keys by the width)."""
+    return {K for K, _ in proj.values()} | {sum(widths) for _, widths in proj.values()}
+
+
 def test_projection_shapes_from_the_architecture_configs():
     assert kb.projection_shapes("qwen3_8b") == kb.PROJ        # the literal every committed 8B result used
     p32 = kb.projection_shapes("qwen3_32b")
     assert p32 == {"qkv": (5120, (8192, 1024, 1024)), "o": (8192, (5120,)), "gate_up": (5120, (25600, 25600)),
                    "down": (25600, (5120,))}
-    assert kb.table_ks(kb.PROJ) == {4096, 12288, 6144, 24576}
-    assert not kb.table_ks(p32) & kb.table_ks(kb.PROJ)         # disjoint keys: the shapes never share an entry
+    assert table_ks(kb.PROJ) == {4096, 12288, 6144, 24576}
+    assert not table_ks(p32) & table_ks(kb.PROJ)         # disjoint keys: the shapes never share an entry
 
 
 def test_a_tuning_run_replaces_only_the_entries_it_redid():
