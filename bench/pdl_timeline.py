@@ -11,7 +11,7 @@ M in {1, 4, 16, 64}, both engine modes (w8a8, w8a16), three arms of rlfp8.kernel
   pdl_fused (W8A8 only): the same with K1 quantizing x beside its shrink, K2 waiting before its main loop
            (pdl_w8a8_quant=fused: the earlier default), timed in the same paired replays
 Times: median µs of --reps CUDA-graph replays, L2 flushed before each, the three graphs replayed in turn
-(bench/kernels.py Timer.paired_us). Overhead ratio = (pdl - base) / (stream - base): how much of the
+(bench/kernel_bench.py Timer.paired_us). Overhead ratio = (pdl - base) / (stream - base): how much of the
 adapter's cost PDL leaves.
 
 Timeline (a child process, since the stamps change the kernels): %globaltimer stamps (rlfp8/kernels/
@@ -127,7 +127,7 @@ def precompile(probs, jobs, arms=W8A8_ARMS, initializer=None, initargs=()):
 def time_arms(probs, reps):
     """Rows {proj, M, mode, base_us, stream_us, pdl_us, overhead_ratio, pdl_over_base (+ W8A8: pdl_fused_us,
     pdl_fused_over_base)}; proj "layer" = all four."""
-    from kernels import Timer                           # bench/kernels.py: paired CUDA-graph replays, L2 flushed
+    from kernel_bench import Timer                    # paired CUDA-graph replays, L2 flushed
     timer = Timer(reps)
     rows = []
     for mode in MODES:
@@ -186,7 +186,7 @@ def timeline_worker(out: str, reps: int, jobs: int) -> None:
                         + [0] * (timeline.SLOTS - len(timeline.SLOT_NAMES)), dtype=torch.int64, device="cuda")
     probs = problems()
     precompile(probs, jobs, arms=("stream", "pdl"), initializer=timeline.enable, initargs=(buf.data_ptr(),))
-    from kernels import Timer
+    from kernel_bench import Timer
     timer, rows, steps = Timer(1), [], []
     for mode in MODES:
         for M in MS:

@@ -1,4 +1,5 @@
-"""Load a bench/ script as a module for its CPU tests (bench/ is scripts, not a package)."""
+"""Load a bench/ script as a module for its CPU tests (bench/ is scripts, not a package). Never by putting bench/
+on sys.path: a script named like an installed module shadows it (bench/kernels.py hid transformers' `kernels`)."""
 import importlib.util
 import sys
 from pathlib import Path

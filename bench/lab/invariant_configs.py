@@ -6,7 +6,7 @@ rlfp8/kernels/gemm_configs.py) against the tuned per-token-count configs, for th
 Per projection and M, three arms (knob off = tuned, on = invariant; free_bk = invariant with each bucket's
 fastest measured BLOCK_K, a probe of whether BLOCK_K must be pinned: _free_bk_config):
   * time: the engine's projection (fp8_lora_linear: K1 + K2, vLLM-style metadata, 4 stacked slots, every
-    token on slot 0), CUDA graphs replayed in turn with L2 flushed (bench/kernels.py Timer), median of --reps;
+    token on slot 0), CUDA graphs replayed in turn with L2 flushed (bench/kernel_bench.py Timer), median of --reps;
     at M >= 1024 also the trainer's forward (lora_linear: meta=None, one adapter; > 512 tokens may take the
     Gluon main loop);
   * bits: row r of the first M rows of one 4096-token x, computed inside a batch of M rows (two tenants and
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-import kernels as kb  # noqa: E402  (bench/kernels.py: Timer, PROJ)
+import kernel_bench as kb  # noqa: E402  (Timer, PROJ)
 from rlfp8.kernels import build_lora_meta, dispatch, fp8_lora_linear  # noqa: E402
 from rlfp8.kernels.fp8_triton import quantize_weight_triton  # noqa: E402
 from rlfp8.kernels import gemm_triton  # noqa: E402

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-import kernels as kb  # noqa: E402  (bench/kernels.py: Timer, PROJ)
+import kernel_bench as kb  # noqa: E402  (Timer, PROJ)
 from rlfp8.kernels import gemm_configs as lg  # noqa: E402
 from rlfp8.kernels.gemm_triton import lora_gemm_triton  # noqa: E402
 from rlfp8.kernels.fp8_triton import quantize_weight_triton  # noqa: E402

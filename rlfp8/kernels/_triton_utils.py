@@ -232,7 +232,7 @@ def precompile(records: list, jobs: int = 8, target=None, initializer=None, init
 def alloc_trace(fn):
     """Run fn() once on CUDA: (its result, peak bytes allocated above the start, sizes of all allocations it
     made or None), from the caching allocator's counters and its allocation history (no tracebacks recorded,
-    so cheap to record and snapshot). Used by the GPU tests and bench/kernels.py to show no weight copy."""
+    so cheap to record and snapshot). Used by the GPU tests and bench/kernel_bench.py to show no weight copy."""
     import inspect
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()

@@ -3,7 +3,7 @@
 Configs are keyed by (mode, token bucket, K, N class) where the N class only separates N <= 8192 from wider
 weights, so the q/k/v row views of a fused qkv (and o_proj) get the same split as the fused call: a row's
 result does not depend on the view. A tuned table (rlfp8/kernels/tuned/<gpu>.json, written by
-bench/kernels.py --tune) overrides the heuristics; with the knob `tuned_nearest` a key it lacks takes the nearest
+bench/kernel_bench.py --tune) overrides the heuristics; with the knob `tuned_nearest` a key it lacks takes the nearest
 tuned K's entry (same mode, bucket, N class; nearest_tuned_config); the knob `tuned_gpu` picks another GPU's table.
 Same (T, mode, K, N class) => same config => same arithmetic order for a row (the matched property).
 

@@ -57,7 +57,7 @@ Kernel strategy (Hopper):
     before the wait reads what K1 writes; gdc_wait returns once K1 has completed and flushed. The
     interpreter cannot run gdc_*, hence the constexpr guard.
   * configs per token bucket (gemm_configs); a tuned table (rlfp8/kernels/tuned/<gpu>.json, written by
-    bench/kernels.py --tune) overrides the heuristics. Configs are keyed by (mode, token bucket, K, N class)
+    bench/kernel_bench.py --tune) overrides the heuristics. Configs are keyed by (mode, token bucket, K, N class)
     where the N class only separates N <= 8192 from wider weights, so the q/k/v row views of a fused qkv
     (and o_proj) get the same split as the fused call: a row's result does not depend on the view.
 

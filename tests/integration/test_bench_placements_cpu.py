@@ -2,16 +2,15 @@
 the real shape (--extra wins over the shape's model.path), two steps through one rlfp8-train process; the JSON
 holds the plan, the step split with the placement's hook times (time/moves) and the acceptance block."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import placements as bench  # noqa: E402
+from tests.bench_scripts import load_bench_script  # noqa: E402
+
+bench = load_bench_script("placements")
 
 TINY = ("model.path=tiny,model.dtype=float32,data.prompts_per_step=2,algo.group_size=2,"
         "trainer.micro_batch_tokens=2048,engine.max_model_len=256")

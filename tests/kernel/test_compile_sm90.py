@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SMEM_MAX = 232448
@@ -132,11 +133,28 @@ def test_large_rank_training_linear_keeps_its_tiles_without_spills(compiled):
     assert {r["name"] for r in rows} == {"_lora_gemm_kernel", "_lora_shrink_kernel", "_dy_prep_kernel"}
     spilled = [(r["name"], r["constexprs"], r["regs"], r["stack"]) for r in rows if r["stack"] != 0]
     assert not spilled, spilled
-    # (BLOCK_M, stages) as at rank 64: the forward's invariant config, the dx GEMM's heuristic one
-    for scale_w, want in ((1, (256, 2)), (0, (256, 3))):
+    # (BLOCK_M, stages) as at rank 64 (the forward's invariant config, the dx GEMM's tuned-or-heuristic one)
+    for scale_w, transposed in ((1, False), (0, True)):
+        want = _h200_w8a16_tiles_at_rank_64(4096, 8192, 8192, transposed)
         got = {(r["constexprs"]["BLOCK_M"], r["num_stages"]) for r in k2
                if r["constexprs"]["ALL_SLOT0"] and r["constexprs"]["SCALE_W"] == scale_w}
-        assert got == {want}, (scale_w, got)
+        assert got == {want}, (scale_w, got, want)
+
+
+def _h200_w8a16_tiles_at_rank_64(M, N, K, transposed):
+    """(BLOCK_M, num_stages) K2 takes at rank 64 on an H200 (the committed tuned table): what the worker's
+    h200_w8a16_config picks, computed here in the test process (config choice is host code)."""
+    from rlfp8.kernels import gemm_triton
+    from rlfp8.kernels.gemm_configs import SM90_MAX_SMEM, fit_smem
+    from rlfp8.kernels.knobs import restore_knobs, set_knobs
+    q = torch.empty(K, N, dtype=torch.float8_e4m3fn).t() if transposed else torch.empty(N, K, dtype=torch.float8_e4m3fn)
+    old = set_knobs(tuned_gpu="NVIDIA H200")
+    try:
+        cfg, _ = gemm_triton._pick_config(None, "w8a16", M, N, K, q, torch.device("cuda"))
+    finally:
+        restore_knobs(old)
+    cfg = fit_smem(cfg, "w8a16", 64, SM90_MAX_SMEM)
+    return cfg.block_m, cfg.num_stages
 
 
 def test_pdl_wait_point_present_only_when_asked(compiled):

@@ -164,8 +164,8 @@ def test_timeline_benchmark_imports_and_derives_the_verdict():
     root = Path(__file__).resolve().parents[2]
     p = subprocess.run([sys.executable, "bench/pdl_timeline.py", "--help"], cwd=root, capture_output=True, text=True)
     assert p.returncode == 0 and "--out" in p.stdout, p.stderr
-    sys.path.insert(0, str(root / "bench"))
-    import pdl_timeline as bench
+    from tests.bench_scripts import load_bench_script
+    bench = load_bench_script("pdl_timeline")
     row = bench.derive(dict(pdl_pair_us=12.0, stream_k2_us=10.5, pdl_k1_us=6.0, pdl_k2_offset_us=1.5,
                             stream_prog0_mainloop_us=4.0))
     assert row["exposed_k1_us"] == 1.5 and row["k1_left_after_k2_start_us"] == 4.5

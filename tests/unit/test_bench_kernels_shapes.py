@@ -1,13 +1,12 @@
-"""bench/kernels.py --shape: the decoder layer's projections come from the architecture's config (the 8B literal the
+"""bench/kernel_bench.py --shape: the decoder layer's projections come from the architecture's config (the 8B literal the
 benchmark always used, the 32B shape for issue 14's placements), and a tuning run at one shape keeps another
 shape's tuned entries (the table is one file per GPU)."""
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import kernels as kb  # noqa: E402
+from tests.bench_scripts import load_bench_script
+
+kb = load_bench_script("kernel_bench")
 
 
 def table_ks(proj: dict) -> set[int]:

@@ -3,14 +3,14 @@ the memory plan sizes every KV cache by one rule and refuses what cannot fit (na
 keys), the budget schedules steps and skips, and the table / acceptance verdicts come from run metrics."""
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import placements as bench  # noqa: E402
+from tests.bench_scripts import load_bench_script  # noqa: E402
+
+bench = load_bench_script("placements")
 
 from rlfp8.models import architecture_config  # noqa: E402
 

@@ -22,7 +22,7 @@ matmuls (1 adapter only), and the JSON says so.
 fastest whose output matches the default config's, and writes rlfp8/kernels/tuned/<gpu>.json, which the
 kernels load from then on. All Triton kernels are compiled up front in parallel worker processes.
 
-    python bench/kernels.py --tune          # < 8 min on an H200; writes bench/results/kernels_h200.json
+    python bench/kernel_bench.py --tune          # < 8 min on an H200; writes bench/results/kernels_h200.json
 """
 from __future__ import annotations
 
@@ -902,7 +902,7 @@ def main(argv=None):
     log(f"shape {a.shape}: " + ", ".join(f"{n} {K}->{sum(w)}" for n, (K, w) in PROJ.items()))
     if a.reps < 50:
         log(f"note: --reps {a.reps} < 50 (the issue asks for a median of >= 50)")
-    assert torch.cuda.is_available(), "bench/kernels.py needs a CUDA GPU"
+    assert torch.cuda.is_available(), "bench/kernel_bench.py needs a CUDA GPU"
     dispatch.set_backend("triton")
     from rlfp8.kernels.knobs import set_knobs
     set_knobs(batch_invariant=a.batch_invariant)
