@@ -84,8 +84,9 @@ serve)     # SERVE_GRAPHS=decode: every engine with decode graphs and no torch.c
            # SERVE_PROFILE=1: also each engine's kernel-time summary of a profiled throughput run (serve.py --profile)
     mkdir -p "$OUT/r"; g=${SERVE_GRAPHS:-compiled}; f=serve_h200.json; [ "$g" = compiled ] || f=serve_${g}_h200.json
     f=${SERVE_OUT:-$f}     # SERVE_OUT=<file name>: a diagnostic run (e.g. with RLFP8_* knobs set) in its own file
+                           # SERVE_TIMEOUT (560 s): the compiled pair ours_w8a8,vllm_fp8 needs ~450 s (two ~3-min starts)
     [ -f "$OUT/r/$f" ] || cp "bench/results/$f" "$OUT/r/" 2>/dev/null
-    timeout 560 $PY bench/serve.py --out "$OUT/r/$f" --graphs "$g" --engines "${ENGINES:-ours_w8a16,vllm_bf16}" \
+    timeout ${SERVE_TIMEOUT:-560} $PY bench/serve.py --out "$OUT/r/$f" --graphs "$g" --engines "${ENGINES:-ours_w8a16,vllm_bf16}" \
         ${SERVE_PROFILE:+--profile} 2>&1 | tail -40
     cp /tmp/rlfp8-serve/*.log "$OUT/" 2>/dev/null
     ;;

@@ -60,3 +60,27 @@ def test_tuning_covers_every_token_bucket_the_engine_reaches():
     assert len(jobs) == 2 * len(lg.M_BUCKETS) * 3 and set(dx) == set(kb.PROJ)   # 3 (K, N class) groups at 8B
     only = kb._tune_jobs(layer, "^w8a16\\|(32|128|512)\\|")[0]                 # the new buckets alone
     assert sorted({M for _, M, _, _ in only}) == [32, 128, 512] and len(only) == 9
+
+
+@pytest.mark.parametrize("shape", ["qwen3_8b", "qwen3_32b"])
+def test_every_w8a16_key_gets_candidates_with_its_invariant_schedule(shape):
+    """The tuner times, for each W8A16 forward key, tiles on the weight shape's batch-invariant schedule (split,
+    BLOCK_K, swap_ab), so invariant_gemm_config finds a measured one in the table; before, 8B gate_up at 16 tokens
+    and the narrow shapes at > 512 tokens had none and ran heuristic tiles."""
+    from rlfp8.kernels import gemm_configs as lg
+    groups = {}
+    for K, widths in kb.projection_shapes(shape).values():
+        groups[(K, lg.n_class(sum(widths)))] = sum(widths)
+    for (K, _), N in groups.items():
+        for bucket in lg.M_BUCKETS:
+            inv = kb.invariant_candidates("w8a16", bucket, N, K)
+            assert inv, (shape, bucket, N, K)
+            sched = lg.reduction_schedule("w8a16", N, K)
+            for c in inv:
+                assert lg.schedule_of(c) == sched and c.swap_ab, c
+                assert lg.smem_bytes(c, "w8a16", 0) <= lg.SM90_MAX_SMEM, c
+            keys = [c.key() for c in kb._forward_candidates("w8a16", bucket, N, K)]
+            assert len(keys) == len(set(keys))
+            assert any(lg.schedule_of(c) == sched and c.swap_ab
+                       for c in map(lambda k: lg.GemmConfig(*k), keys))
+    assert kb.invariant_candidates("w8a8", 16, 4096, 4096) == []      # W8A8 calls are not invariant by default
