@@ -359,11 +359,9 @@ def invariant_candidates(mode: str, bucket: int, N: int, K: int) -> list[GemmCon
     if not (mode == "w8a16" or lg.batch_invariant(mode)):   # W8A16 always: the runtime default is auto
         return []
     sched = lg.reduction_schedule(mode, N, K)
-    x_bytes = 1 if mode == "w8a8" else 2
     out, seen = [], set()
     for c in candidates(mode, bucket, N, K):
-        stage_bytes = (c.block_n + c.block_m * x_bytes) * sched.block_k
-        fit = max(2, min(12, lg.SMEM_BYTES // stage_bytes))
+        fit = max(2, min(12, lg.stages_that_fit(c, mode, sched.block_k)))
         stages = {min(fit, c.num_stages * max(1, c.block_k // sched.block_k)), min(fit, c.num_stages)}
         for ns in sorted(stages):
             cc = dataclasses.replace(c, split_k=sched.split_k, block_k=sched.block_k, swap_ab=True, widen="bits",

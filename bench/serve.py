@@ -252,7 +252,6 @@ def main(argv: list[str] | None = None) -> int:
     make_adapter(work / "adapter", architecture_config("qwen3_8b"), args.rank)
     run = {"command": " ".join([sys.executable] + sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     result.update({**run, "graphs": args.graphs})
-    result.pop("runs_note", None)      # each engine entry names its own run; ratios pair engines of one run
     for name in args.engines.split(","):
         p = subprocess.run([sys.executable, __file__, "--out", args.out, "--one", name, "--rank", str(args.rank),
                             "--work", str(work), "--graphs", args.graphs] + ["--profile"] * args.profile,

@@ -38,7 +38,7 @@ __all__ = ["GLUON_SCHEDULE", "GemmConfig", "INVARIANT_SCHEDULES", "M_BUCKETS", "
            "config_generation", "config_key", "config_source", "fit_smem", "rank_chunk",
            "gemm_config", "gemm_config_and_source", "invariant_gemm_config", "m_bucket", "n_class",
            "NEAREST_K_RATIO", "nearest_tuned_config", "reduction_schedule", "reload_tuned_table", "schedule_of",
-           "smem_bytes", "tuned_table_path"]
+           "smem_bytes", "stages_that_fit", "tuned_table_path"]
 
 # How W8A16 widens e4m3 weight tiles to bf16, per config (GemmConfig.widen; the PTX is in widen.py): all exact,
 # so all give the same bits; the interpreter always takes "cvt" (it cannot run inline PTX).
@@ -252,6 +252,12 @@ def schedule_of(cfg: GemmConfig) -> ReductionSchedule:
     return ReductionSchedule(cfg.split_k, cfg.block_k)
 
 
+def stages_that_fit(cfg: GemmConfig, mode: str, block_k: int) -> int:
+    """How many main-loop stages of cfg's weight and x tiles, at this BLOCK_K, fit SMEM_BYTES."""
+    x_bytes = 1 if mode == "w8a8" else 2
+    return SMEM_BYTES // ((cfg.block_n + cfg.block_m * x_bytes) * block_k)
+
+
 def _measured_candidate(mode: str, M: int, N: int, K: int, sched: ReductionSchedule, device) -> GemmConfig | None:
     """The tuner's fastest measured config for this bucket with the schedule and swap_ab (tuned table's
     "candidates"), or None."""
@@ -280,10 +286,9 @@ def invariant_gemm_config(mode: str, M: int, N: int, K: int, device=None) -> Gem
         cfg = _measured_candidate(mode, M, N, K, sched, device)
         if cfg is None:
             base = gemm_config(mode, M, N, K, device)
-            x_bytes = 1 if mode == "w8a8" else 2
-            stage_bytes = (base.block_n + base.block_m * x_bytes) * sched.block_k
             cfg = dataclasses.replace(base, split_k=sched.split_k, block_k=sched.block_k, swap_ab=True,
-                                      num_stages=max(1, min(base.num_stages, SMEM_BYTES // stage_bytes)))
+                                      num_stages=max(1, min(base.num_stages, stages_that_fit(base, mode,
+                                                                                             sched.block_k))))
         _invariant[key] = cfg
     return _invariant[key]
 
