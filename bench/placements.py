@@ -67,6 +67,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+# verl's recipes checkpoint every layer (actor_rollout_ref.model.enable_gradient_checkpointing=True); ours keep the
+# recipe's trainer.gradient_checkpointing=auto. `--extra trainer.gradient_checkpointing=auto` gives (d) ours too.
+VERL_CHECKPOINTING = "trainer.gradient_checkpointing=true"
 CONFIGS: dict[str, dict] = {
     "a": {"label": "one_copy + w8a16 + KV release (ours)",
           "overrides": ["placement=one_copy", "engine.precision=w8a16", "trainer.weights=fp8", "algo.correction=none"]},
@@ -77,10 +80,10 @@ CONFIGS: dict[str, dict] = {
                         "algo.correction=none"]},
     "d": {"label": "offloaded bf16 trainer + bf16 engine (verl)",
           "overrides": ["placement=offloaded", "engine.precision=bf16", "trainer.weights=bf16", "algo.correction=none",
-                        "engine.release_weights=true"]},
+                        "engine.release_weights=true", VERL_CHECKPOINTING]},
     "e": {"label": "FlashRL: vLLM FP8 engine + bf16 trainer + TIS (offloaded)",
           "overrides": ["placement=offloaded", "engine.precision=w8a8_vllm", "trainer.weights=bf16",
-                        "algo.correction=tis", "engine.release_weights=true"]},
+                        "algo.correction=tis", "engine.release_weights=true", VERL_CHECKPOINTING]},
 }
 SHAPE_CONFIGS = {"qwen3_8b": "a,b,c,d,e", "qwen3_32b": "a,b,d",      # the issue's: all at 8B; a, b, d at 32B
                  "llama3_8b": "a,b,c,d,e", "qwen2_5_7b": "a,b,c,d,e"}    # the other 8B-class families
@@ -122,7 +125,8 @@ TIME_MODEL = {
     "decode_ms_fixed": {"eager": 4.0, "eager_vllm": 4.0, "decode_graphs": 2.0, "compiled": 2.0},
     "decode_ms_per_layer": {"eager": 3.1, "eager_vllm": 1.0, "decode_graphs": 0.25, "compiled": 0.25},
     "graph_capture_s": {"eager": 0.0, "decode_graphs": 20.0, "compiled": 150.0},   # per engine start (assumed)
-    "train_tokens_per_s_8b": 6750.0,   # train/tokens_per_s, steps 2-3 of the 8B profile; scaled by 1 / parameters
+    "train_tokens_per_s_8b": 6750.0,   # train/tokens_per_s, steps 2-3 of the 8B profile (every layer checkpointed:
+                                       # an upper time for gradient_checkpointing=auto); scaled by 1 / parameters
     "sync_s_per_gib": 3.0,        # adapter export + transfer + slot write per GiB of fp32 adapter (upper)
     "engine_compile_s": 20.0,     # step 1 - step 2 of the 8B profile = 35 s (Triton compilation, first calls), split
     "trainer_compile_s": 15.0,    # ... between the engine and the trainer (assumed); paid by the first run of each

@@ -71,7 +71,8 @@ NON_NEGATIVE_INT = ("eval_every", "save_every", "seed", "trainer.warmup_steps", 
                     "engine.parity_probe.every")
 POSITIVE_FLOAT = ("adapter.alpha", "algo.temperature", "trainer.lr", "algo.tis_cap", "trainer.grad_clip",
                   "engine.parity_probe.factor", "algo.std_eps", "engine.cpu_kv_cache_gb")
-NON_NEGATIVE_FLOAT = ("algo.clip_eps_low", "algo.clip_eps_high", "algo.kl_coef", "trainer.weight_decay")
+NON_NEGATIVE_FLOAT = ("algo.clip_eps_low", "algo.clip_eps_high", "algo.kl_coef", "trainer.weight_decay",
+                      "trainer.activation_headroom_gib")
 UNIT_INTERVAL = ("engine.top_p", "engine.gpu_memory_utilization")      # numbers in (0, 1]
 
 NOT_BUILT, NEEDS_CUDA = "not built yet", "needs a CUDA GPU and this machine has none"
@@ -268,6 +269,11 @@ def _check_values(cfg: DictConfig) -> None:
         v = _get(cfg, key)
         if not _is_number(v) or not 0 < v <= 1:
             raise ConfigError(f"{key}={v!r}: must be a number in (0, 1]")
+    from rlfp8.trainer.checkpointing import parse_mode
+    try:
+        parse_mode(_get(cfg, "trainer.gradient_checkpointing"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_rules(cfg: DictConfig) -> None:
@@ -298,13 +304,17 @@ def _check_rules(cfg: DictConfig) -> None:
 
 
 def _check_random_model(cfg: DictConfig) -> None:
-    """model.path=random:<arch>: the architecture exists (rlfp8/models/<arch>.json or a .json path)."""
+    """model.path=random:<arch>: the architecture exists (rlfp8/models/<arch>.json or a .json path), and a layer
+    count in trainer.gradient_checkpointing is within its decoder layers."""
     from rlfp8.models import RANDOM_PREFIX, architecture_config, is_random
+    from rlfp8.trainer.checkpointing import parse_mode
     if is_random(cfg.model.path):
         try:
-            architecture_config(cfg.model.path[len(RANDOM_PREFIX):])
+            arch = architecture_config(cfg.model.path[len(RANDOM_PREFIX):])
+            parse_mode(_get(cfg, "trainer.gradient_checkpointing"), arch["num_hidden_layers"])
         except ValueError as e:
-            raise ConfigError(str(e)) from None
+            raise ConfigError(f"{e} (model.path={cfg.model.path})" if "gradient_checkpointing" in str(e)
+                              else str(e)) from None
 
 
 def _check_data(cfg: DictConfig) -> None:

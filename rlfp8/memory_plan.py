@@ -16,9 +16,9 @@ SIZING_KEYS = {
               "engine.max_num_seqs", "engine.precision", "trainer.weights", "placement.name"),
     "rollout": ("engine.max_num_seqs", "engine.max_model_len", "engine.kv_cache_memory_gb",
                 "engine.gpu_memory_utilization", "data.prompts_per_step", "algo.group_size", "algo.max_response_len"),
-    "train": ("trainer.micro_batch_tokens", "trainer.gradient_checkpointing", "trainer.logprob_chunk",
-              "engine.release_kv", "engine.release_weights", "adapter.rank", "placement.name",
-              "engine.kv_cache_memory_gb"),
+    "train": ("trainer.micro_batch_tokens", "trainer.gradient_checkpointing", "trainer.activation_headroom_gib",
+              "trainer.logprob_chunk", "engine.release_kv", "engine.release_weights", "adapter.rank",
+              "placement.name", "engine.kv_cache_memory_gb"),
     "sync": ("adapter.rank", "adapter.target_modules", "engine.kv_cache_memory_gb"),
 }
 # vLLM's messages when the KV cache cannot be sized (it raises ValueError, not torch.OutOfMemoryError)
@@ -130,7 +130,11 @@ def estimate(cfg: dict, arch: dict) -> dict[str, float]:
     trainer_dense = 0 if one_copy and str(cfg["model"]["path"]).startswith("random:") else dense
     per_layer_token = (16 * h + 6 * inter) * 2                  # saved bf16 activations of one decoder layer
     tokens = int(tcfg["micro_batch_tokens"])
-    saved = layers * h * 2 + per_layer_token if tcfg["gradient_checkpointing"] else layers * per_layer_token
+    # checkpointed layers keep their input (h per token), the others everything; auto plans at run time from what is
+    # free then, so its estimate is the floor (every layer checkpointed): what must fit for the step to run at all
+    gc = tcfg["gradient_checkpointing"]
+    n_ckpt = layers if gc is True or gc == "auto" else (0 if gc is False else min(int(gc), layers))
+    saved = n_ckpt * h * 2 + (layers - n_ckpt) * per_layer_token + (per_layer_token if n_ckpt else 0)
     acts = tokens * saved + 3 * int(tcfg["logprob_chunk"]) * arch["vocab_size"] * 4
     adapter = adapter_params(cfg, arch)
     plan = {"engine_weights": (proj * eng_bytes + dense) / gib, "kv_cache": kv / gib, "kv_cache_needed": kv_need / gib,

@@ -35,6 +35,7 @@ from rlfp8.kernels import dispatch
 from rlfp8.profiling import phase
 from .adapter_io import load_adapter, save_adapter
 from .adapters import adapter_kind
+from .checkpointing import LayerCheckpointing
 from .data_parallel import DataParallel, tensor_checksum
 from .fp8_lora import adapters_disabled
 from .interface import MiniBatch, Rollouts, TrainerInterface
@@ -74,12 +75,10 @@ class PolicyTrainer(TrainerInterface):
         self.adapter = adapter_kind(cfg["adapter"]["type"])
         self.weights = make_weight_source(weight_source, weight_handles)
         self.model, self.replaced = self.weights.load(self.model_path, cfg, self.device, self.dtype)
-        if tcfg["gradient_checkpointing"]:
-            # transformers >= 5.24 renamed it; the GPU machines run 5.17
-            if hasattr(self.model, "activation_checkpointing_enable"):
-                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        arch = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") \
+            else self.model.config
+        self.checkpointing = LayerCheckpointing(self.model, tcfg, self.device, self.dtype, arch.vocab_size,
+                                                arch.hidden_size)
         self.model.train()
         self.params = list(self.adapter.trainable_parameters(self.model).values())
         self.optimizer = torch.optim.AdamW(self.params, lr=float(tcfg["lr"]), betas=tuple(tcfg["betas"]),
@@ -268,6 +267,9 @@ class PolicyTrainer(TrainerInterface):
             self._allocated_at_start = torch.cuda.memory_allocated()
         with phase("trainer/plan"):          # micro-batches, pi_old / reference log-probs, statistics
             plan = self._plan(batch)
+        with phase("trainer/checkpoint_plan"):     # trainer.gradient_checkpointing=auto: layers for this step
+            checkpointing = self.checkpointing.before_step(
+                [tuple(mb["input_ids"].shape) for mini in plan for mb in mini.micro_batches])
         epochs = int(self.cfg["trainer"]["epochs"])
         acc: dict[str, list[float]] = {}
         mismatch: list = []
@@ -279,7 +281,7 @@ class PolicyTrainer(TrainerInterface):
                     acc.setdefault(k, []).extend(v)
                 grad_norms.append(self.optimizer_step()["train/grad_norm"])
         self.step += 1
-        return self._step_metrics(acc, mismatch, grad_norms, epochs, time.time() - t0)
+        return {**self._step_metrics(acc, mismatch, grad_norms, epochs, time.time() - t0), **checkpointing}
 
     def _step_metrics(self, acc: dict, mismatch: list, grad_norms: list[float], epochs: int,
                       seconds: float) -> dict[str, float]:
