@@ -21,6 +21,8 @@
 #            STUDY_ARMS / STUDY_EXTRA (overrides for every run, e.g. a harder task); DRY_RUN=1 prints the command only
 #   placements_32b  one call: bench/placements.py at the Qwen3-32B shape, 4k-token rollouts, configurations (a) (b) (d)
 #            (issue 14's acceptance lines; each run sized and scheduled by the script's plan and --budget-s)
+#   recompute  bench/lab/recompute_cost.py: the FP8 trainer alone on RC_LAYERS (16) Qwen3-32B layers, 8 x 4k rows,
+#            every layer checkpointed vs trainer.gradient_checkpointing=auto (~2 min); $OUT/r/recompute_cost_h200.json
 #   placements_8b   one call: the same at the Qwen3-8B shape, 1k-token rollouts, all five configurations
 #            both: P_CONFIGS (order = priority), P_STEPS (2; the budget lowers a run to 1), P_BUDGET_S (520),
 #            P_EXTRA (overrides for every run), DRY_RUN=1 (the plans only); results $OUT/r/placements_<shape>_h200.json,
@@ -184,6 +186,11 @@ study)     # one call: arms x SEEDS learning runs (~9 min budget), then the stat
     for f in "$root"/*.log; do tail -c 6000 "$f" > "$OUT/study/$(basename "$f")"; done
     $PY bench/learning_study.py analyze --out "$OUT/r/learning_h200.json" "$OUT/study" 2>&1 | tail -20
     ;;
+recompute)  # the trainer's update with and without the recompute (gradient_checkpointing true vs auto)
+    mkdir -p "$OUT/r"
+    timeout ${RC_TIMEOUT:-560} $PY bench/lab/recompute_cost.py --arch qwen3_32b --layers ${RC_LAYERS:-16} --rows 8 \
+        --length 4096 --micro-batch 8192 --out "$OUT/r/recompute_cost_h200.json" 2>&1 | tee "$OUT/recompute_cost.log" | tail -20
+    ;;
 placements_32b)  # ~9 min: (a) runs (1 step by the estimate), (d) is refused by the fit check, (b) if the budget allows
     P_SHAPE=qwen3_32b P_LEN=4096 P_CONFIGS=${P_CONFIGS:-a,d,b} bash "$0" placements ;;
 placements_8b)   # ~9 min: the five configurations at 8B / 1k in priority order (the budget skips the last if slow)
@@ -262,5 +269,5 @@ round_dora)  # one call: the DoRA and Gluon-main-loop GPU tests (bit-identical t
     echo "linear_profile rc=$?"; grep -E "ms$|^r=" "$OUT/linear_profile.log" | head -20
     ;;
 *)
-    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn|trace|diagnose|study|final_a|final_b|round_kernels|round_engine|placements_32b|placements_8b|round_study|round_checks|round_timing|round_dora|round_graphs [--run NAME:overrides ...]"; exit 2 ;;
+    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn|trace|diagnose|study|final_a|final_b|round_kernels|round_engine|recompute|placements_32b|placements_8b|round_study|round_checks|round_timing|round_dora|round_graphs [--run NAME:overrides ...]"; exit 2 ;;
 esac
