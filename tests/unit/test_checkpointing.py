@@ -9,8 +9,10 @@ from rlfp8.config import ConfigError, compose_dict
 from rlfp8.memory_plan import estimate
 from rlfp8.models import architecture_config
 from rlfp8.trainer import checkpointing as ck
-from rlfp8.trainer.core import PolicyTrainer, Rollouts
+from rlfp8.trainer.core import PolicyTrainer
 from rlfp8.trainer.hf_models import make_tiny_qwen3
+from tests.unit.test_trainer import _batch as trainer_batch
+from tests.unit.test_trainer import _grads_after_backward_only as _grads
 
 LAYERS = 4
 
@@ -28,24 +30,7 @@ def _cfg(gc, **trainer):
 
 
 def _batch(n=5, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(14, 22, (n,), generator=g).tolist()
-    ids = [torch.randint(0, 300, (L,), generator=g).tolist() for L in lens]
-    return Rollouts(ids, [10] * n, [(-torch.rand(L - 10, generator=g) * 3).tolist() for L in lens],
-                    torch.randn(n, generator=g).tolist())
-
-
-def _grads(trainer, batch):
-    captured = {}
-    orig = trainer.optimizer.step
-
-    def grab(*a, **k):
-        captured["g"] = [p.grad.clone() for p in trainer.params]
-        return orig(*a, **k)
-    trainer.optimizer.step = grab
-    metrics = trainer.train_step(batch)
-    trainer.optimizer.step = orig
-    return captured["g"], metrics
+    return trainer_batch(n, seed)
 
 
 def _trainer(path, gc, state=None):
