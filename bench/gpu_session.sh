@@ -21,6 +21,8 @@
 #            STUDY_ARMS / STUDY_EXTRA (overrides for every run, e.g. a harder task); DRY_RUN=1 prints the command only
 #   placements_32b  one call: bench/placements.py at the Qwen3-32B shape, 4k-token rollouts, configurations (a) (b) (d)
 #            (issue 14's acceptance lines; each run sized and scheduled by the script's plan and --budget-s)
+#   decode_tune  set-up, then the W8A8 decode keys retuned (bench/kernel_bench.py --tune, TUNE_KEYS / TUNE_S) and the
+#            layer/GEMM rows without training rows, in one call; the table to $OUT/r
 #   recompute  bench/lab/recompute_cost.py: the FP8 trainer alone on RC_LAYERS (16) Qwen3-32B layers, 8 x 4k rows,
 #            every layer checkpointed vs trainer.gradient_checkpointing=auto (~2 min); $OUT/r/recompute_cost_h200.json
 #   placements_8b   one call: the same at the Qwen3-8B shape, 1k-token rollouts, all five configurations
@@ -186,6 +188,19 @@ study)     # one call: arms x SEEDS learning runs (~9 min budget), then the stat
     for f in "$root"/*.log; do tail -c 6000 "$f" > "$OUT/study/$(basename "$f")"; done
     $PY bench/learning_study.py analyze --out "$OUT/r/learning_h200.json" "$OUT/study" 2>&1 | tail -20
     ;;
+decode_tune)  # one call: set-up, then the W8A8 decode keys (TUNE_KEYS, default the 16-token bucket) retuned with
+              # the decode tiles (TUNE_S), and the layer/GEMM rows without the training rows (issue 15's base line).
+              # On another GPU than the H200 its table starts as a copy of the H200's (same architecture), so only the
+              # retuned keys differ; results $OUT/r/kernels_decode_<gpu>.json and the table(s)
+    bash "$0" setup
+    mkdir -p "$OUT/r"
+    slug=$($PY -c "from rlfp8.kernels.gemm_configs import tuned_table_path; print(tuned_table_path().stem)")
+    [ -f "rlfp8/kernels/tuned/$slug.json" ] || cp rlfp8/kernels/tuned/nvidia_h200.json "rlfp8/kernels/tuned/$slug.json"
+    timeout $((590 - SECONDS)) $PY bench/kernel_bench.py --tune --budget-s "${TUNE_S:-150}" \
+        --tune-keys "${TUNE_KEYS:-^w8a8\|16\|}" --no-train --out "$OUT/r/kernels_decode_${slug#nvidia_}.json" 2>&1 \
+        | tee "$OUT/kernels_decode.log" | grep -v "^\[.*tune: " | tail -45
+    cp "rlfp8/kernels/tuned/$slug.json" "$OUT/r/"
+    ;;
 recompute)  # the trainer's update with and without the recompute (gradient_checkpointing true vs auto)
     mkdir -p "$OUT/r"
     timeout ${RC_TIMEOUT:-560} $PY bench/lab/recompute_cost.py --arch qwen3_32b --layers ${RC_LAYERS:-16} --rows 8 \
@@ -269,5 +284,5 @@ round_dora)  # one call: the DoRA and Gluon-main-loop GPU tests (bit-identical t
     echo "linear_profile rc=$?"; grep -E "ms$|^r=" "$OUT/linear_profile.log" | head -20
     ;;
 *)
-    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn|trace|diagnose|study|final_a|final_b|round_kernels|round_engine|recompute|placements_32b|placements_8b|round_study|round_checks|round_timing|round_dora|round_graphs [--run NAME:overrides ...]"; exit 2 ;;
+    echo "usage: bench/gpu_session.sh setup|kernels|gputests|bench|e2e|plugin|serve|profile|learn|trace|diagnose|study|final_a|final_b|round_kernels|round_engine|recompute|placements_32b|placements_8b|round_study|round_checks|round_timing|round_dora|round_graphs|decode_tune [--run NAME:overrides ...]"; exit 2 ;;
 esac

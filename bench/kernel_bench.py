@@ -297,7 +297,12 @@ def candidates(mode: str, bucket: int, N: int, K: int) -> list[GemmConfig]:
     if bucket <= 16:
         raw += [(64, 16, 256, 4, 6), (128, 16, 128, 4, 5), (64, 16, 128, 4, 6), (64, 16, 128, 4, 8),
                 (128, 16, 128, 4, 4, False), (256, 16, 128, 4, 3, False), (128, 16, 256, 4, 3, False),
-                (64, 16, 256, 4, 4, False)]
+                (64, 16, 256, 4, 4, False),
+                # decode tiles: tokens on M (mma.sync), 16-32 weight rows read in 512-1024-byte row chunks, so a
+                # 4096-wide weight gets 128-256 programs without split-K (bench/lab/explore_decode_tiles.py)
+                (16, 16, 512, 4, 4, False), (16, 16, 1024, 4, 3, False), (32, 16, 256, 4, 6, False),
+                (32, 16, 512, 4, 4, False), (32, 16, 1024, 4, 3, False), (64, 16, 512, 4, 4, False),
+                (64, 16, 512, 4, 4)]
     elif bucket <= 32:
         raw += [(64, 32, 128, 4, 5), (128, 32, 128, 4, 4), (64, 32, 128, 4, 6), (128, 32, 128, 4, 4, False)]
     elif bucket <= 64:
@@ -351,24 +356,33 @@ def candidates(mode: str, bucket: int, N: int, K: int) -> list[GemmConfig]:
 
 def invariant_candidates(mode: str, bucket: int, N: int, K: int) -> list[GemmConfig]:
     """The forward candidates of a key that batch-invariant calls may take (knob batch_invariant; by default
-    every W8A16 call: the matched engine and the trainer's forward): each tile shape of `candidates` recast to the
-    weight shape's ReductionSchedule with swap_ab, at the stages that fit, and at twice them where BLOCK_K
-    shrank. Tiles, stages, warps and loads do not change a row's sums, so every one of them gives the invariant
-    bits; invariant_gemm_config picks the fastest one the table records. Without them a key whose candidates
-    all use another schedule falls back to heuristic tiles (H200: 67 against 39 us for gate_up at 16 tokens)."""
+    every W8A16 call: the matched engine and the trainer's forward): each tile shape of `candidates` with >= 64
+    weight rows recast to the weight shape's split with swap_ab, at the schedule's BLOCK_K, at the tile's own and
+    (decode buckets) at 512 where that keeps the schedule's sums (gemm_configs.same_sums: W8A16's k16 steps run in
+    k order whatever the chunking; long row chunks stream the weights faster at decode), at the stages that fit,
+    and at more where BLOCK_K shrank, with both exact widenings at decode. Tiles, stages, warps, loads and the chunking do not change a row's sums, so
+    every one of them gives the invariant bits; invariant_gemm_config picks the fastest one the table records.
+    Without them a key whose candidates all use another schedule falls back to heuristic tiles (H200: 67 against
+    39 us for gate_up at 16 tokens)."""
     if not (mode == "w8a16" or lg.batch_invariant(mode)):   # W8A16 always: the runtime default is auto
         return []
     sched = lg.reduction_schedule(mode, N, K)
     out, seen = [], set()
     for c in candidates(mode, bucket, N, K):
-        fit = max(2, min(12, lg.stages_that_fit(c, mode, sched.block_k)))
-        stages = {min(fit, c.num_stages * max(1, c.block_k // sched.block_k)), min(fit, c.num_stages)}
-        for ns in sorted(stages):
-            cc = dataclasses.replace(c, split_k=sched.split_k, block_k=sched.block_k, swap_ab=True, widen="bits",
-                                     num_stages=ns, x_tma=False)
-            if cc.key() not in seen:
-                seen.add(cc.key())
-                out.append(cc)
+        if c.block_n < lg.WGMMA_ROWS:           # decode tiles of 16-32 rows: mma.sync, not the invariant wgmma sums
+            continue
+        decode = bucket <= 64
+        for bk in sorted({sched.block_k, c.block_k} | ({512} if decode else set())):
+            cc = dataclasses.replace(c, split_k=sched.split_k, block_k=bk, swap_ab=True, widen="bits", x_tma=False)
+            if not lg.invariant_tile(cc, sched, K, mode):
+                continue
+            fit = max(2, min(12, lg.stages_that_fit(c, mode, bk)))
+            for ns in sorted({min(fit, c.num_stages * max(1, c.block_k // bk)), min(fit, c.num_stages)}):
+                for widen in ("bits", "prmt") if decode and mode == "w8a16" else ("bits",):
+                    cs = dataclasses.replace(cc, num_stages=ns, widen=widen)
+                    if cs.key() not in seen and lg.smem_bytes(cs, mode, 0) <= lg.SM90_MAX_SMEM:
+                        seen.add(cs.key())
+                        out.append(cs)
     return out
 
 
@@ -387,12 +401,19 @@ def _try_variant(c: GemmConfig, best: tuple, layer: Layer, timer: Timer, names, 
         for name in names:
             if not torch.equal(layer.ours_gemm(name, M, mode, c)(), layer.ours_gemm(name, M, mode, best[1])()):
                 raise RuntimeError(f"bits differ from {best[1].key()} on {name} (same MMAs expected)")
-        tot = sum(timer.graph_us(layer.ours_gemm(name, M, mode, c), reps) for name in names)
+        tot = sum(timer.graph_us(layer.ours_gemm(name, m, mode, c), reps) for name in names for m in timed_ms(M))
     except Exception as e:
         report.append({"config": c.key(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
         return best
     report.append({"config": c.key(), "us": round(tot, 2)})
     return (tot, c) if tot < best[0] else best
+
+
+def timed_ms(M: int) -> tuple[int, ...]:
+    """The token counts a key's candidates are timed at, their times summed: the bucket's M, and in the decode
+    bucket also M = 1, the batch-1 decode step (H200: the same configs took 54 us on gate_up in W8A16 at M = 1 and
+    40 at M = 16, so a choice made at 16 alone did not see what batch 1 pays; bench/lab/explore_decode_tiles.py)."""
+    return (1, M) if lg.m_bucket(M) == lg.M_BUCKETS[0] and M != 1 else (M,)
 
 
 def tune_ms() -> dict[int, int]:
@@ -450,7 +471,7 @@ def _tune_forward_key(layer: Layer, timer: Timer, mode, M, K, names, reps, repor
                 out = layer.ours_gemm(name, M, mode, c)()
                 if (out.float() - ref.float()).abs().max() > 1e-2 * ref.float().abs().max():
                     raise RuntimeError("output differs from the default config's")
-                tot += timer.graph_us(layer.ours_gemm(name, M, mode, c), reps)
+                tot += sum(timer.graph_us(layer.ours_gemm(name, m, mode, c), reps) for m in timed_ms(M))
         except Exception as e:
             report.setdefault(key, []).append({"config": c.key(), "error": f"{type(e).__name__}: {str(e)[:200]}"})
             continue
@@ -719,7 +740,7 @@ def row(op, mode, M, S, ours, base_name, base):
 
 
 def acceptance(rows) -> list[tuple[str, bool | None, str]]:
-    """Issue 3's targets, evaluated on this run's rows (None: not measurable here)."""
+    """Issue 3's targets and issue 15's base line, evaluated on this run's rows (None: not measurable here)."""
     def pick(**kw):
         return [r for r in rows if all(r.get(k) == v for k, v in kw.items()) and r.get("ratio")]
     out = []
@@ -733,6 +754,12 @@ def acceptance(rows) -> list[tuple[str, bool | None, str]]:
           and r["baseline"] == "vllm_cutlass"]
     out.append(("base GEMM W8A8 <= 1.15x CUTLASS at every M", all(r["ratio"] <= 1.15 for r in rg) if rg else None,
                 f"worst {max((r['ratio'], r['op'], r['M']) for r in rg)}" if rg else ""))
+    # issue 15: the decode path's base line, the W8A8 layer without an adapter (quantizer + GEMM per projection on
+    # both sides) at M <= 16 against vLLM's (dynamic_per_token_scaled_fp8_quant + cutlass_scaled_mm)
+    rd = [r for r in pick(op="layer", mode="w8a8", adapters=0, baseline="vllm_w8a8") if r["M"] <= 16]
+    out.append(("issue 15: W8A8 layer without LoRA at M <= 16 <= 1.00x vLLM (CUTLASS)",
+                all(r["ratio"] <= 1.0 for r in rd) if rd else None,
+                ", ".join(f"M={r['M']}: {r['ratio']}" for r in rd)))
     rw = [r for r in rows if r["op"].startswith("gemm:") and r["mode"] == "w8a16" and r["M"] <= 64 and r.get("ratio")]
     out.append(("W8A16 <= 1.15x our W8A8 at M <= 64", all(r["ratio"] <= 1.15 for r in rw) if rw else None,
                 f"worst {max((r['ratio'], r['op'], r['M']) for r in rw)}" if rw else ""))
@@ -804,6 +831,13 @@ def kept_entries(old: dict, new_keys: set[str]) -> dict:
     return {k: v for k, v in old.items() if k not in new_keys}
 
 
+def in_table_order(old: dict, redone: dict) -> dict:
+    """The existing entries in their order, each redone one replaced in place, then the new keys: a retune of a few
+    keys rewrites a few entries of the committed file (kept_entries says which survive)."""
+    merged = {k: redone.get(k, v) for k, v in old.items()}
+    return {**merged, **{k: v for k, v in redone.items() if k not in merged}}
+
+
 def _tune_and_write_table(layer, timer, a) -> dict:
     """Tune, merge with the entries of an existing table the run did not redo, write it, reload it."""
     table = tune(layer, timer, T0 + a.budget_s, a.tune_reps, a.tune_keys)
@@ -812,8 +846,8 @@ def _tune_and_write_table(layer, timer, a) -> dict:
     if path.exists():             # keep every entry this run did not redo (kept_entries)
         old = json.loads(path.read_text())
         keep = lambda part: kept_entries(old.get(part, {}), set(table[part]))
-        table = {"gemm": {**keep("gemm"), **table["gemm"]},
-                 "candidates": {**keep("candidates"), **table["candidates"]},
+        table = {"gemm": in_table_order(old.get("gemm", {}), table["gemm"]),
+                 "candidates": in_table_order(old.get("candidates", {}), table["candidates"]),
                  # hand edits (with their measurements) of entries the tuner did not redo
                  "edits": [e for e in old.get("edits", []) if e["key"] in keep("gemm")]}
     tuned_info = {"path": str(path), "keys": len(table["gemm"])}

@@ -10,11 +10,18 @@ Same (T, mode, K, N class) => same config => same arithmetic order for a row (th
 Batch invariance (knob `batch_invariant`, default auto = the W8A16 calls): vLLM cuts the same rows into
 chunks of any size (decode 1..16, prefill chunks), so the order of the additions over K must not depend on
 T. `invariant_gemm_config` keeps one ReductionSchedule per (mode, K, N class) at every T:
-  * SPLIT_K and BLOCK_K fixed: the shares' boundaries (whole BLOCK_K chunks) and the split-order sum of the
-    fp32 partials are then fixed (the last-program and the distributed reduction add in the same order);
-  * swap_ab fixed (True): every MMA is a wgmma with the widened weight rows as its A operand and k16 steps
-    issued in k order into one accumulator, so no T switches to tokens-as-A or to mma.sync (below 64
-    tokens the other orientation runs on mma.sync: another instruction, not provably the same sums);
+  * SPLIT_K and the shares' boundaries fixed (SPLIT_K contiguous shares of whole BLOCK_K chunks), so the
+    split-order sum of the fp32 partials is fixed (the last-program and the distributed reduction add in
+    the same order);
+  * swap_ab fixed (True) with >= 64 weight rows: every MMA is a wgmma with the widened weight rows as its A
+    operand and k16 steps issued in k order into one accumulator, so no T switches to tokens-as-A or to
+    mma.sync (below 64 tokens the other orientation runs on mma.sync: another instruction, not provably the
+    same sums);
+  * BLOCK_K free in W8A16 where the shares stay the schedule's (a multiple of its BLOCK_K that gives the same
+    share boundaries, `same_sums`): a share's k16 wgmma steps run in k order into one accumulator whatever
+    number of chunks groups them, so the sums are the same (H200: bench/lab/explore_decode_tiles.py, BLOCK_K
+    64-1024 bit-identical on every Qwen3-8B projection; tests/gpu). Decode tiles want 256-512-byte row chunks.
+    W8A8 keeps the schedule's BLOCK_K: the FP8 wgmma's accumulator promotion may follow the chunks;
   * free with T: BLOCK_M / BLOCK_N / GROUP_M (which tile a row lands in, not how its sum is formed),
     warps, stages, TMA and the widening variant (exact conversions).
 The epilogue's h·Bᵀ sums over the rank in chunks (rank_chunk) with two fixed 16-bit MMAs each, and the
@@ -35,10 +42,10 @@ from .knobs import knobs
 
 __all__ = ["GLUON_SCHEDULE", "GemmConfig", "INVARIANT_SCHEDULES", "M_BUCKETS", "NUM_SMS_HINT", "RANK_CHUNK",
            "WIDENINGS", "ReductionSchedule", "SM90_MAX_SMEM", "batch_invariant", "block_r", "cached_launch_config",
-           "config_generation", "config_key", "config_source", "fit_smem", "rank_chunk",
-           "gemm_config", "gemm_config_and_source", "invariant_gemm_config", "m_bucket", "n_class",
-           "NEAREST_K_RATIO", "nearest_tuned_config", "reduction_schedule", "reload_tuned_table", "schedule_of",
-           "smem_bytes", "stages_that_fit", "tuned_table_path"]
+           "config_generation", "config_key", "config_source", "fit_smem", "rank_chunk", "WGMMA_ROWS", "gemm_config",
+           "gemm_config_and_source", "invariant_gemm_config", "invariant_tile", "m_bucket", "n_class",
+           "NEAREST_K_RATIO", "nearest_tuned_config", "reduction_schedule", "reload_tuned_table", "same_sums",
+           "schedule_of", "share_len", "smem_bytes", "stages_that_fit", "tuned_table_path"]
 
 # How W8A16 widens e4m3 weight tiles to bf16, per config (GemmConfig.widen; the PTX is in widen.py): all exact,
 # so all give the same bits; the interpreter always takes "cvt" (it cannot run inline PTX).
@@ -47,7 +54,7 @@ WIDENINGS = ("bits", "prmt", "cvt")
 
 @dataclass(frozen=True)
 class GemmConfig:
-    block_n: int          # weight rows per tile (wgmma M side, multiple of 64)
+    block_n: int          # weight rows per tile (swap_ab: wgmma's M side, a multiple of 64; else >= 16)
     block_m: int          # tokens per tile (wgmma N side, >= 16)
     block_k: int
     split_k: int = 1
@@ -252,6 +259,35 @@ def schedule_of(cfg: GemmConfig) -> ReductionSchedule:
     return ReductionSchedule(cfg.split_k, cfg.block_k)
 
 
+def share_len(K: int, split_k: int, block_k: int) -> int:
+    """Length of each of K2's split-K shares over K (whole BLOCK_K chunks; the last share may end early at K)."""
+    return cdiv(cdiv(K, block_k), split_k) * block_k
+
+
+def same_sums(cfg: GemmConfig, sched: ReductionSchedule, K: int, mode: str = "w8a16") -> bool:
+    """Does cfg add the products over K as sched does? The same split into the same contiguous shares, each summed
+    in k16 wgmma steps in k order (module docstring): in W8A16 any BLOCK_K that is a multiple of the schedule's and
+    keeps the shares' boundaries; in W8A8 the schedule's own BLOCK_K. (Tiles and orientation: invariant_tile.)"""
+    if cfg.split_k != sched.split_k:
+        return False
+    if mode != "w8a16" or cfg.block_k == sched.block_k:
+        return cfg.block_k == sched.block_k
+    return (cfg.block_k % sched.block_k == 0
+            and (sched.split_k == 1 or share_len(K, cfg.split_k, cfg.block_k) == share_len(K, sched.split_k,
+                                                                                            sched.block_k)))
+
+
+# the fewest weight rows a swap_ab tile may have: wgmma's M side. Fewer rows (decode tiles of 16-32 rows, tokens on
+# the M side) run mma.sync, another instruction whose sums are not provably wgmma's.
+WGMMA_ROWS = 64
+
+
+def invariant_tile(cfg: GemmConfig, sched: ReductionSchedule, K: int, mode: str = "w8a16") -> bool:
+    """May a batch-invariant call on a weight with this K run cfg? Its sums are the schedule's (same_sums), with
+    the weight rows on wgmma's M side and enough of them."""
+    return same_sums(cfg, sched, K, mode) and cfg.swap_ab and cfg.block_n >= WGMMA_ROWS
+
+
 def stages_that_fit(cfg: GemmConfig, mode: str, block_k: int) -> int:
     """How many main-loop stages of cfg's weight and x tiles, at this BLOCK_K, fit SMEM_BYTES."""
     x_bytes = 1 if mode == "w8a8" else 2
@@ -259,8 +295,8 @@ def stages_that_fit(cfg: GemmConfig, mode: str, block_k: int) -> int:
 
 
 def _measured_candidate(mode: str, M: int, N: int, K: int, sched: ReductionSchedule, device) -> GemmConfig | None:
-    """The tuner's fastest measured config for this bucket with the schedule and swap_ab (tuned table's
-    "candidates"), or None."""
+    """The tuner's fastest measured config for this bucket that a batch-invariant call may run (invariant_tile:
+    the schedule's sums, swap_ab; tuned table's "candidates"), or None."""
     if device is None or torch.device(device).type != "cuda":
         return None
     p = tuned_table_path(device)
@@ -271,7 +307,7 @@ def _measured_candidate(mode: str, M: int, N: int, K: int, sched: ReductionSched
         if "us" not in cand:
             continue
         cfg = GemmConfig(*cand["config"])
-        if schedule_of(cfg) == sched and cfg.swap_ab and (best is None or cand["us"] < best[0]):
+        if invariant_tile(cfg, sched, K, mode) and (best is None or cand["us"] < best[0]):
             best = (cand["us"], cfg)
     return None if best is None else best[1]
 
@@ -287,6 +323,7 @@ def invariant_gemm_config(mode: str, M: int, N: int, K: int, device=None) -> Gem
         if cfg is None:
             base = gemm_config(mode, M, N, K, device)
             cfg = dataclasses.replace(base, split_k=sched.split_k, block_k=sched.block_k, swap_ab=True,
+                                      block_n=max(WGMMA_ROWS, base.block_n),
                                       num_stages=max(1, min(base.num_stages, stages_that_fit(base, mode,
                                                                                              sched.block_k))))
         _invariant[key] = cfg

@@ -77,7 +77,7 @@ from ._triton_utils import (cdiv, check_pdl, check_tensor, launch, max_shared_me
                             require_triton_device, split_counters)
 from .gemm_configs import (GLUON_SCHEDULE, M_BUCKETS, SM90_MAX_SMEM, WIDENINGS, GemmConfig, batch_invariant,
                            block_r, cached_launch_config, config_source, fit_smem, gemm_config_and_source,
-                           invariant_gemm_config, m_bucket, rank_chunk, schedule_of)
+                           invariant_gemm_config, m_bucket, rank_chunk, same_sums)
 from .knobs import knobs
 from .gemm_ref import check_lora_gemm_args
 from .metadata import LoRAMeta
@@ -225,6 +225,7 @@ def _lora_gemm_kernel(
                                 # stored codes [K, N] with block [BLOCK_K, BLOCK_N], transposed in shared memory
     SWAP_AB: tl.constexpr,      # True: accᵀ = W·xᵀ (weight rows on wgmma's M side); False: acc = x·Wᵀ
     X_TMA: tl.constexpr,        # x tiles through TMA (x_ptr is a descriptor over x [M, K], block [BLOCK_M, BLOCK_K])
+    MASK_ROWS: tl.constexpr,    # pointer x loads masked by the token rows (decode tiles: M < BLOCK_M; knob k2_mask_x_rows)
     SYNC_A: tl.constexpr,       # W8A16 swap_ab: retire each k-step's wgmmas before the next widening (see there)
     FP8_ACC: tl.constexpr,      # W8A8: max_num_imprecise_acc for the FP8 wgmma (None = Triton's sm_90 default,
                                 # fast accumulation as CUTLASS's FastAccum; an int promotes every FP8_ACC k)
@@ -293,6 +294,13 @@ def _lora_gemm_kernel(
             xt = x_ptr.load([pid_m * BLOCK_M, k])                 # [BM, BK], zero beyond M and K
             if SWAP_AB:
                 xt = tl.trans(xt)
+        elif MASK_ROWS:
+            # a decode tile: its padding token rows load nothing (every program reads x, so re-reading a valid
+            # row for them multiplied the requests to the same few L2 lines)
+            if SWAP_AB:
+                xt = tl.load(x_ptrs, mask=m_ok[None, :] & ((k + offs_k) < K)[:, None], other=0.0)
+            else:
+                xt = tl.load(x_ptrs, mask=m_ok[:, None] & ((k + offs_k) < K)[None, :], other=0.0)
         elif EVEN_K:
             xt = tl.load(x_ptrs)
         elif SWAP_AB:
@@ -697,7 +705,7 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
         dispatch.record(f"{OP}.rank_chunk", str(rank_chunk(block_r(slices[0].shape[2]))))
     big_w8a16 = (mode == "w8a16" and config is None and m_bucket(M) == M_BUCKETS[-1]
                  and not dispatch.triton_interpreting())
-    if big_w8a16 and invariant and schedule_of(cfg) != GLUON_SCHEDULE:
+    if big_w8a16 and invariant and not same_sums(cfg, GLUON_SCHEDULE, K):
         dispatch.record(f"{OP}.mainloop", "triton")     # the Gluon loop sums over K in another schedule
     elif big_w8a16:
         y = _gluon_mainloop(x, q, w_scale, h, B, slices, has_lora, gather, g, bias, lora_precision, use_pdl, out)
@@ -728,7 +736,8 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
            GATHER=bool(gather), HAS_G=g is not None and has_lora, HAS_BIAS=bias is not None,
            LORA_PREC=lora_precision, LORA_DT=_lora_dt(slices[0].dtype if has_lora else None),
            EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,
-           USE_PDL=use_pdl, PDL_WAIT_EARLY=_pdl_wait_early(mode, use_pdl, q, K, w_tma, x_from_primary), W_TMA=w_tma, SWAP_AB=cfg.swap_ab, X_TMA=x_tma,
+           USE_PDL=use_pdl, PDL_WAIT_EARLY=_pdl_wait_early(mode, use_pdl, q, K, w_tma, x_from_primary), W_TMA=w_tma,
+           SWAP_AB=cfg.swap_ab, X_TMA=x_tma, MASK_ROWS=not x_tma and M < cfg.block_m and knobs().k2_mask_x_rows,
            **_variant_flags(cfg, mode, x, meta, has_lora, dist_red),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
     return out

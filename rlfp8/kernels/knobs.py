@@ -32,6 +32,10 @@ class KernelKnobs:
     # K2 split-K: every program reduces its share of the tile's tokens; False = the tile's last program
     # reduces them all (A/B timing; same bits)
     k2_dist_red: bool = True
+    # K2 decode tiles (fewer tokens than BLOCK_M): the padding token rows load no x (masked loads, zeros) instead of
+    # re-reading a valid row; False = unpredicated loads of row 0 for them (A/B timing; same bits: an MMA output
+    # column depends on its own token's x only)
+    k2_mask_x_rows: bool = True
     # W8A16 widening of e4m3 tiles: "bits" = each config's PTX widening (GemmConfig.widen), "cvt" = Triton's
     # .to(bf16) everywhere (same bits)
     w8a16_widen: str = "bits"
@@ -69,6 +73,7 @@ ENV_VARS = {
     "RLFP8_GEMM_RS": "gemm_rs",
     "RLFP8_K2_SYNC_A": "k2_sync_a",
     "RLFP8_K2_DIST_RED": "k2_dist_red",
+    "RLFP8_K2_MASK_X_ROWS": "k2_mask_x_rows",
     "RLFP8_W8A16_WIDEN": "w8a16_widen",
     "RLFP8_FP8_PRECISE_ACC": "fp8_precise_acc",
     "RLFP8_TUNED_GPU": "tuned_gpu",
@@ -82,7 +87,7 @@ ENV_VARS_BY_KNOB = {knob: var for var, knob in ENV_VARS.items()}
 _NAMES = tuple(f.name for f in dataclasses.fields(KernelKnobs))
 _CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "pdl": PDL_MODES, "pdl_w8a8_quant": PDL_W8A8_QUANT,
             "batch_invariant": BATCH_INVARIANT}
-_FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "host_fast", "tuned_nearest")
+_FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "k2_mask_x_rows", "host_fast", "tuned_nearest")
 
 
 def _validated(name: str, value, source: str):

@@ -3,8 +3,8 @@ M in {1, 7, 16, 33, 128, 1000, 4096}, ranks 16/64/128, 1/4/32 adapters with some
 both engine modes: kernels against fp64 math; quantization bit-equal to the references (CUDA and CPU), to
 IEEE amax/448 and to vLLM's dynamic_per_token_scaled_fp8_quant; the matched property (engine W8A16 call and
 trainer forward bit-identical on the same rows); the two W8A16 widenings, the two multi-adapter epilogue
-variants and the two split-K reductions (distributed over the tile's programs, or by its last program; also
-in CUDA-graph replays with PDL) bit-identical; the Gluon main loop (gemm_rs, > 512 tokens without metadata) bit-identical to
+variants, the two split-K reductions (distributed over the tile's programs, or by its last program; also
+in CUDA-graph replays with PDL) and the W8A16 BLOCK_K chunkings of one reduction schedule bit-identical; the Gluon main loop (gemm_rs, > 512 tokens without metadata) bit-identical to
 the Triton kernel for the forward (with DoRA's g; ranks up to 512 in rank chunks) and dx GEMMs; the training linear's forward and backward against
 LoRALinearRef, with allocation sizes showing that no weight is copied.
 
@@ -138,6 +138,8 @@ def _warm():
             test_dx_gemm_both_orientations(shape)
         for mode in ("w8a16", "w8a8"):
             _epilogue_variants(mode)
+        for shape, M in CHUNKINGS:
+            _chunking_outputs(shape, M)
         for case in DIST_CASES:
             _split_protocols(*case)
         _split_protocols("qkv", 64, 4, "w8a16", False, use_pdl=True)
@@ -555,6 +557,47 @@ def test_w8a16_widening_bits_equal_cvt(shape, M):
         for wd in ("bits", "prmt"):
             d = (outs[(swap, wd)] - outs[(swap, "cvt")]).abs().max().item()
             assert torch.equal(outs[(swap, wd)], outs[(swap, "cvt")]), f"swap_ab={swap} {wd}: max |diff| {d}"
+
+
+# (shape, M): decode (split-K 2 narrow, 1 wide), a prefill chunk and the trainer's size; a 32B-like K where
+# BLOCK_K 1024 would move the share boundary (25600 / 2 = 12800 is not a multiple of 1024) is covered by the unit
+# test of same_sums
+CHUNKINGS = [("qkv", 1), ("o", 16), ("gate_up", 1), ("down", 4), ("qkv", 300), ("gate_up", 2048)]
+
+
+def _chunking_outputs(shape, M):
+    """W8A16 K2 with one adapter on the shape's invariant schedule, at its BLOCK_K and at every larger one that
+    keeps its shares (gemm_configs.same_sums), tiles and stages as the invariant config picks them."""
+    from rlfp8.kernels.gemm_configs import (SM90_MAX_SMEM, fit_smem, invariant_gemm_config, reduction_schedule,
+                                            same_sums)
+    x, q, sw, A, B, slots, meta, bias = _case_inputs(shape, M, 64, 4)
+    K, N = x.shape[1], q.shape[0]
+    h = lora_shrink_triton(x, A, meta).h
+    sched = reduction_schedule("w8a16", N, K)
+    base = invariant_gemm_config("w8a16", M, N, K, DEV)
+    outs = {}
+    for bk in (sched.block_k, 128, 256, 512, 1024):
+        c = dataclasses.replace(base, block_k=bk, split_k=sched.split_k, num_stages=2 if bk >= 512 else 3)
+        if bk < sched.block_k or not same_sums(c, sched, K):
+            continue
+        c = fit_smem(c, "w8a16", 64, SM90_MAX_SMEM)         # long chunks of large tiles: fewer tokens per tile
+        outs[bk] = lora_gemm_triton(x, q, sw, h=h, B=B, meta=meta, bias=bias, config=c, out_dtype=torch.float32)
+    return sched, outs
+
+
+@pytest.mark.parametrize("shape,M", CHUNKINGS)
+def test_w8a16_block_k_chunking_keeps_the_bits(shape, M):
+    """The batch-invariant W8A16 schedule fixes the split and the shares' boundaries, not BLOCK_K: a share's k16
+    wgmma steps run in k order into one accumulator however many chunks group them, so every BLOCK_K that keeps the
+    shares gives the schedule's bits (the tuner may then give decode calls 256-512-byte row chunks)."""
+    sched, outs = _chunking_outputs(shape, M)
+    if tu._collector is not None:
+        return
+    assert len(outs) >= 3, (sched, sorted(outs))
+    ref = outs[sched.block_k]
+    for bk, y in outs.items():
+        d = (y - ref).abs().max().item()
+        assert torch.equal(y, ref), f"{shape} M={M}: BLOCK_K {bk} vs the schedule's {sched.block_k}: max |diff| {d}"
 
 
 def _epilogue_variants(mode):

@@ -208,11 +208,11 @@ def h200_w8a16_config(M: int, N: int, K: int, rank: int, transposed: bool = Fals
     the batch-invariant schedule), fitted to its shared memory at this rank, and the main loop the dispatch would
     run there (gluon_rs where gemm_rs can take the call; it is not compiled from here)."""
     from rlfp8.kernels import gemm_triton
-    from rlfp8.kernels.gemm_configs import SM90_MAX_SMEM, fit_smem, schedule_of
+    from rlfp8.kernels.gemm_configs import SM90_MAX_SMEM, fit_smem, same_sums
     from rlfp8.kernels.gemm_rs import MAX_RANK
     q = _e(K, N, dtype=FP8).t() if transposed else _e(N, K, dtype=FP8)
     cfg, invariant = gemm_triton._pick_config(None, "w8a16", M, N, K, q, H200)
-    gluon = M > 512 and rank <= MAX_RANK and (not invariant or schedule_of(cfg) == GLUON_SCHEDULE)
+    gluon = M > 512 and rank <= MAX_RANK and (not invariant or same_sums(cfg, GLUON_SCHEDULE, K))
     return fit_smem(cfg, "w8a16", rank, SM90_MAX_SMEM), "gluon_rs" if gluon else "triton"
 
 

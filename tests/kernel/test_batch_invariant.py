@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from rlfp8.kernels import dispatch, fp8, knobs
-from rlfp8.kernels.gemm_configs import (GLUON_SCHEDULE, batch_invariant, invariant_gemm_config, reduction_schedule,
-                                        reload_tuned_table, schedule_of)
+from rlfp8.kernels.gemm_configs import (GLUON_SCHEDULE, GemmConfig, ReductionSchedule, batch_invariant,
+                                        invariant_gemm_config, invariant_tile, reduction_schedule, reload_tuned_table,
+                                        same_sums, schedule_of, share_len)
 from rlfp8.kernels.metadata import build_lora_meta
 from rlfp8.kernels.projection import fp8_lora_linear
 from rlfp8.kernels.shrink_triton import _pick_shrink_config
@@ -28,17 +29,20 @@ def _restore():
 @pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
 @pytest.mark.parametrize("table", [None, "NVIDIA H200"], ids=["heuristic", "h200_table"])
 def test_the_schedule_never_varies_with_the_token_count(mode, table):
-    """BLOCK_K, SPLIT_K and swap_ab of every M in 1..8192 are the shape's schedule (with the H200's tuned table
-    as the GPU reads it: device "cuda" and the knob tuned_gpu), and the trainer's row views share the fused
-    weight's schedule."""
+    """Every M in 1..8192 sums over K as the shape's schedule does (SPLIT_K and the shares' boundaries; W8A8 also
+    its BLOCK_K, W8A16 any chunking of the same shares: same_sums) with swap_ab and >= 64 weight rows (with the
+    H200's tuned table as the GPU reads it: device "cuda" and the knob tuned_gpu), and the trainer's row views
+    share the fused weight's schedule."""
     knobs.set_knobs(tuned_gpu=table, batch_invariant="on")     # "on": W8A8's K1 too
     reload_tuned_table()
     device = "cuda" if table else None
     for N, K in SHAPES:
         sched = reduction_schedule(mode, N, K)
-        seen = {(schedule_of(c), c.swap_ab) for c in (invariant_gemm_config(mode, M, N, K, device)
-                                                      for M in TOKEN_COUNTS)}
-        assert seen == {(sched, True)}, (N, K, seen)
+        configs = [invariant_gemm_config(mode, M, N, K, device) for M in TOKEN_COUNTS]
+        bad = [c for c in configs if not invariant_tile(c, sched, K, mode)]
+        assert not bad, (N, K, sched, bad[:3])
+        if mode == "w8a8":
+            assert {schedule_of(c) for c in configs} == {sched}, (N, K)
         shrink = {(c.block_m, c.block_k, c.split_k)
                   for c in (_pick_shrink_config(None, M, K, 64, None if mode == "w8a16" else "div")
                             for M in TOKEN_COUNTS)}
@@ -170,3 +174,24 @@ def test_engine_chunks_equal_the_trainers_forward(shape_invariant_dot):
                 y = fp8_lora_linear(x[start:start + m], q, sw, A, B, build_lora_meta(slots, S), mode="w8a16")
                 sel = slots == slot
                 assert torch.equal(y[sel], y_tr[start:start + m][sel]), (chunk, start)
+
+
+def test_same_sums_allows_w8a16_chunkings_that_keep_the_shares():
+    """W8A16: a BLOCK_K that is a multiple of the schedule's and keeps the shares' boundaries adds the same products
+    in the same order (k16 wgmma steps in k order per share); another split, a BLOCK_K that moves a boundary or does
+    not divide into the schedule's chunks does not. W8A8 keeps the schedule's BLOCK_K."""
+    narrow, wide = ReductionSchedule(2, 128), ReductionSchedule(1, 64)
+    cfg = lambda bk, split=2: GemmConfig(64, 16, bk, split, 8, 4, 3)
+    for bk in (128, 256, 512, 1024):                                   # Qwen3-8B qkv / o (K 4096), down (K 12288)
+        assert same_sums(cfg(bk), narrow, 4096) and same_sums(cfg(bk), narrow, 12288)
+    assert share_len(25600, 2, 128) == 12800 and share_len(25600, 2, 1024) == 13312
+    assert same_sums(cfg(512), narrow, 25600) and not same_sums(cfg(1024), narrow, 25600)   # Qwen3-32B down
+    assert not same_sums(cfg(64), narrow, 4096)                        # 64 is not a multiple of the chunks
+    assert not same_sums(cfg(192), narrow, 4096)
+    assert not same_sums(cfg(256, split=4), narrow, 4096)               # another split
+    for bk in (64, 128, 512, 1024):                                     # one share: any multiple of 64
+        assert same_sums(cfg(bk, split=1), wide, 5120)
+    assert not same_sums(cfg(256), narrow, 4096, mode="w8a8") and same_sums(cfg(128), narrow, 4096, mode="w8a8")
+    assert invariant_tile(cfg(512), narrow, 4096)
+    assert not invariant_tile(GemmConfig(32, 16, 512, 2, 8, 4, 3), narrow, 4096)               # mma.sync tile
+    assert not invariant_tile(GemmConfig(64, 16, 512, 2, 8, 4, 3, swap_ab=False), narrow, 4096)

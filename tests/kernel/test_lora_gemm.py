@@ -20,6 +20,7 @@ SMALL = GemmConfig(64, 16, 64, 1, 2, 4, 2)
 SPLIT = GemmConfig(64, 32, 32, 3, 1, 4, 2)
 NOSWAP = GemmConfig(64, 16, 64, 1, 2, 4, 2, swap_ab=False)          # tokens on the MMA's M side
 NOSWAP_SPLIT = GemmConfig(32, 32, 32, 3, 1, 4, 2, swap_ab=False)
+DECODE16 = GemmConfig(16, 16, 64, 1, 8, 4, 2, swap_ab=False)        # the decode tiles: 16 weight rows, tokens on M
 
 
 def _problem(M, K, widths, S, r, device, mode="w8a16", none_frac=0.3):
@@ -44,8 +45,8 @@ def _fp64(p, g=None, bias=None):
 
 
 @pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
-@pytest.mark.parametrize("cfg", [SMALL, SPLIT, NOSWAP, NOSWAP_SPLIT],
-                         ids=["tile64x16", "splitk3", "noswap", "noswap_splitk3"])
+@pytest.mark.parametrize("cfg", [SMALL, SPLIT, NOSWAP, NOSWAP_SPLIT, DECODE16],
+                         ids=["tile64x16", "splitk3", "noswap", "noswap_splitk3", "decode16"])
 @pytest.mark.parametrize("gather", [True, False])
 def test_multi_adapter_slices_dora_bias(mode, cfg, gather, device):
     M, K, S, r = 37, 96, 4, 16
@@ -268,3 +269,23 @@ def test_split_k_protocol_choice(split, block_m, interpreting, dist, monkeypatch
     assert dispatch.report()["lora_gemm.split_k"] == {"distributed" if dist else "last_program": 1}
     cnt = args[14]                                          # cnt_ptr
     assert cnt is tu.split_counters(f"lora_gemm.grow{split}" if dist else "lora_gemm", 1, x.device)
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+@pytest.mark.parametrize("cfg", [SMALL, NOSWAP], ids=["swap", "noswap"])
+def test_decode_tile_padding_rows_load_no_x(mode, cfg, device):
+    """Fewer tokens than BLOCK_M: the padding rows' x loads are masked (knob k2_mask_x_rows, default on) or re-read
+    row 0 (off); the valid rows' bits are the same either way, with adapters through metadata and without."""
+    from rlfp8.kernels import knobs
+    p = _problem(3, 96, [48, 40, 40], 4, 16, device, mode)
+    outs = []
+    for on in (True, False):
+        saved = knobs.set_knobs(k2_mask_x_rows=on)
+        try:
+            outs.append((lora_gemm_triton(p["x"], p["q"], p["sw"], x_scale=p["xs"], config=cfg),
+                         lora_gemm_triton(p["x"], p["q"], p["sw"], x_scale=p["xs"], h=p["h"], B=p["B"],
+                                          meta=p["meta"], config=cfg)))
+        finally:
+            knobs.restore_knobs(saved)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert rel_err(outs[0][1], _fp64(p)) < 1e-2

@@ -2,7 +2,10 @@
 benchmark always used, the 32B shape for issue 14's placements), and a tuning run at one shape keeps another
 shape's tuned entries (the table is one file per GPU)."""
 
+import json
+
 import pytest
+import torch
 
 from tests.bench_scripts import load_bench_script
 
@@ -77,10 +80,48 @@ def test_every_w8a16_key_gets_candidates_with_its_invariant_schedule(shape):
             assert inv, (shape, bucket, N, K)
             sched = lg.reduction_schedule("w8a16", N, K)
             for c in inv:
-                assert lg.schedule_of(c) == sched and c.swap_ab, c
+                assert lg.invariant_tile(c, sched, K), c
                 assert lg.smem_bytes(c, "w8a16", 0) <= lg.SM90_MAX_SMEM, c
             keys = [c.key() for c in kb._forward_candidates("w8a16", bucket, N, K)]
             assert len(keys) == len(set(keys))
             assert any(lg.schedule_of(c) == sched and c.swap_ab
                        for c in map(lambda k: lg.GemmConfig(*k), keys))
+            if bucket <= 64:      # decode: longer row chunks of the same shares, both widenings
+                assert any(c.block_k > sched.block_k for c in inv) and {c.widen for c in inv} == {"bits", "prmt"}
     assert kb.invariant_candidates("w8a8", 16, 4096, 4096) == []      # W8A8 calls are not invariant by default
+
+
+def test_decode_bucket_times_narrow_tiles_that_invariant_calls_never_take(tmp_path, monkeypatch):
+    """The 16-token bucket's candidates include tiles of 16-32 weight rows with tokens on the M side (mma.sync) and
+    512-1024-byte row chunks; a batch-invariant call must never take one (another instruction, other sums), even
+    when the tuned table's candidates record it as the fastest."""
+    from rlfp8.kernels import gemm_configs as lg
+    cands = kb.candidates("w8a8", 16, 4096, 4096)
+    narrow = [c for c in cands if c.block_n < lg.WGMMA_ROWS]
+    assert narrow and all(not c.swap_ab for c in narrow)
+    assert {c.block_k for c in narrow} >= {512, 1024}
+    assert all(c.block_n >= lg.WGMMA_ROWS for c in kb.invariant_candidates("w8a16", 16, 4096, 4096))
+    sched = lg.reduction_schedule("w8a16", 4096, 4096)
+    fast_decode = lg.GemmConfig(32, 16, sched.block_k, sched.split_k, 8, 4, 4, swap_ab=True)
+    slower = lg.GemmConfig(64, 16, sched.block_k, sched.split_k, 8, 4, 4, swap_ab=True)
+    assert lg.schedule_of(fast_decode) == sched and not lg.invariant_tile(fast_decode, sched, 4096)
+    assert lg.invariant_tile(slower, sched, 4096)
+    table = {"gemm": {}, "candidates": {lg.config_key("w8a16", 16, 4096, 4096): [
+        {"config": list(fast_decode.key()), "us": 1.0}, {"config": list(slower.key()), "us": 2.0}]}}
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setattr(lg, "tuned_table_path", lambda device=None: path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert lg._measured_candidate("w8a16", 16, 4096, 4096, sched, "cuda") == slower
+
+
+def test_the_decode_bucket_is_timed_at_batch_one_too():
+    """The 16-token bucket's candidates are timed at M = 1 and at its bound (summed): the engine's batch-1 decode
+    step runs M = 1, where the same configs measured differently from M = 16 on the H200."""
+    assert kb.timed_ms(16) == (1, 16) and kb.timed_ms(1) == (1,)
+    assert kb.timed_ms(64) == (64,) and kb.timed_ms(kb.TRAIN_TOKENS) == (kb.TRAIN_TOKENS,)
+
+
+def test_a_retune_rewrites_its_entries_in_place():
+    old = {"a": 1, "b": 2, "c": 3}
+    assert list(kb.in_table_order(old, {"b": 20, "d": 4}).items()) == [("a", 1), ("b", 20), ("c", 3), ("d", 4)]
