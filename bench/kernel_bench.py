@@ -299,7 +299,8 @@ def candidates(mode: str, bucket: int, N: int, K: int) -> list[GemmConfig]:
                 (128, 16, 128, 4, 4, False), (256, 16, 128, 4, 3, False), (128, 16, 256, 4, 3, False),
                 (64, 16, 256, 4, 4, False),
                 # decode tiles: tokens on M (mma.sync), 16-32 weight rows read in 512-1024-byte row chunks, so a
-                # 4096-wide weight gets 128-256 programs without split-K (bench/lab/explore_decode_tiles.py)
+                # 4096-wide weight gets 128-256 programs without split-K; none won on the H200 in session 15
+                # (bench/lab/explore_decode_tiles.py), kept so that a retune on another GPU times them
                 (16, 16, 512, 4, 4, False), (16, 16, 1024, 4, 3, False), (32, 16, 256, 4, 6, False),
                 (32, 16, 512, 4, 4, False), (32, 16, 1024, 4, 3, False), (64, 16, 512, 4, 4, False),
                 (64, 16, 512, 4, 4)]
@@ -360,10 +361,10 @@ def invariant_candidates(mode: str, bucket: int, N: int, K: int) -> list[GemmCon
     weight rows recast to the weight shape's split with swap_ab, at the schedule's BLOCK_K, at the tile's own and
     (decode buckets) at 512 where that keeps the schedule's sums (gemm_configs.same_sums: W8A16's k16 steps run in
     k order whatever the chunking; long row chunks stream the weights faster at decode), at the stages that fit,
-    and at more where BLOCK_K shrank, with both exact widenings at decode. Tiles, stages, warps, loads and the chunking do not change a row's sums, so
-    every one of them gives the invariant bits; invariant_gemm_config picks the fastest one the table records.
-    Without them a key whose candidates all use another schedule falls back to heuristic tiles (H200: 67 against
-    39 us for gate_up at 16 tokens)."""
+    and at more where BLOCK_K shrank, with both exact widenings at decode. Tiles, stages, warps, loads and the
+    chunking do not change a row's sums, so every one of them gives the invariant bits; invariant_gemm_config picks
+    the fastest one the table records. Without them a key whose candidates all use another schedule falls back to
+    heuristic tiles (H200: 67 against 39 us for gate_up at 16 tokens)."""
     if not (mode == "w8a16" or lg.batch_invariant(mode)):   # W8A16 always: the runtime default is auto
         return []
     sched = lg.reduction_schedule(mode, N, K)

@@ -31,15 +31,17 @@ import dataclasses
 import datetime
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
+
+import kernel_bench as kb  # noqa: E402  (Timer)
 
 from rlfp8.kernels import _triton_utils as tu  # noqa: E402
 from rlfp8.kernels import gemm_configs as lg  # noqa: E402
@@ -108,7 +110,7 @@ class Bench:
         from rlfp8.kernels.fp8_triton import quantize_activation_triton, quantize_weight_triton
         g = torch.Generator(device="cuda").manual_seed(0)
         self.reps = reps
-        self.flush = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+        self.timer = kb.Timer(reps)
         self.w, self.x, self.xq = {}, {}, {}
         for name, (K, N) in PROJ.items():
             w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
@@ -142,33 +144,8 @@ class Bench:
         x = self.x[(M, PROJ[name][0])]
         return lambda: self.quantize_activation(x)
 
-    def _capture(self, fn):
-        fn()
-        torch.cuda.synchronize()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return g
-
     def paired_us(self, fns, reps=None) -> list[float]:
-        reps = reps or self.reps
-        graphs = [self._capture(f) for f in fns]
-        times = [[] for _ in fns]
-        for i in range(reps + 3):
-            for g, t in zip(graphs, times):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                self.flush.zero_()
-                a.record()
-                g.replay()
-                b.record()
-                t.append((a, b, i >= 3))
-        torch.cuda.synchronize()
-        return [round(statistics.median(a.elapsed_time(b) * 1e3 for a, b, keep in t if keep), 2) for t in times]
+        return [round(t, 2) for t in self.timer.paired_us(fns, reps or self.reps)]
 
 
 def precompile(bench: Bench, modes) -> dict:
@@ -238,35 +215,29 @@ def explore(bench: Bench, mode: str, deadline: float) -> list[dict]:
     return rows
 
 
+def _with_mask_knob(on: bool, fn):
+    """fn run with the knob k2_mask_x_rows set (a CUDA graph captures the launch the knob chose)."""
+    from rlfp8.kernels.knobs import restore_knobs, set_knobs
+
+    def run():
+        saved = set_knobs(k2_mask_x_rows=on)
+        try:
+            return fn()
+        finally:
+            restore_knobs(saved)
+    return run
+
+
 def mask_rows_ab(bench: Bench) -> list[dict]:
     """The package's default configs with the knob k2_mask_x_rows off (padding token rows of a decode tile re-read
     row 0, as before) and on (they load nothing): the same bits, paired timing."""
-    from rlfp8.kernels.knobs import restore_knobs, set_knobs
     rows = []
     for mode in ("w8a8", "w8a16"):
         for name, (K, N) in PROJ.items():
             for M in MS:
-                outs, fns = {}, {}
-                for on in (False, True):
-                    saved = set_knobs(k2_mask_x_rows=on)
-                    try:
-                        outs[on] = bench.fn(mode, name, M)()
-                        g = bench._capture(bench.fn(mode, name, M))
-                    finally:
-                        restore_knobs(saved)
-                    fns[on] = g
-                times = {False: [], True: []}
-                for i in range(bench.reps + 3):
-                    for on in (False, True):
-                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        bench.flush.zero_()
-                        a.record()
-                        fns[on].replay()
-                        b.record()
-                        times[on].append((a, b, i >= 3))
-                torch.cuda.synchronize()
-                us = {on: round(statistics.median(a.elapsed_time(b) * 1e3 for a, b, k in t if k), 2)
-                      for on, t in times.items()}
+                fns = {on: _with_mask_knob(on, bench.fn(mode, name, M)) for on in (False, True)}
+                outs = {on: f() for on, f in fns.items()}
+                us = dict(zip((False, True), bench.paired_us([fns[False], fns[True]])))
                 row = {"mode": mode, "proj": name, "M": M, "unmasked_us": us[False], "masked_us": us[True],
                        "ratio": round(us[True] / us[False], 3), "same_bits": bool(torch.equal(outs[False], outs[True]))}
                 log(f"mask_x_rows {mode} {name:7s} M={M:2d}: {us[False]:6.2f} -> {us[True]:6.2f} us "

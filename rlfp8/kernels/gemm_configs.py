@@ -270,11 +270,11 @@ def same_sums(cfg: GemmConfig, sched: ReductionSchedule, K: int, mode: str = "w8
     keeps the shares' boundaries; in W8A8 the schedule's own BLOCK_K. (Tiles and orientation: invariant_tile.)"""
     if cfg.split_k != sched.split_k:
         return False
-    if mode != "w8a16" or cfg.block_k == sched.block_k:
-        return cfg.block_k == sched.block_k
-    return (cfg.block_k % sched.block_k == 0
-            and (sched.split_k == 1 or share_len(K, cfg.split_k, cfg.block_k) == share_len(K, sched.split_k,
-                                                                                            sched.block_k)))
+    if cfg.block_k == sched.block_k:
+        return True
+    same_shares = sched.split_k == 1 or share_len(K, cfg.split_k, cfg.block_k) == share_len(K, sched.split_k,
+                                                                                             sched.block_k)
+    return mode == "w8a16" and cfg.block_k % sched.block_k == 0 and same_shares
 
 
 # the fewest weight rows a swap_ab tile may have: wgmma's M side. Fewer rows (decode tiles of 16-32 rows, tokens on

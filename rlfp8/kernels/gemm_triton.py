@@ -225,7 +225,8 @@ def _lora_gemm_kernel(
                                 # stored codes [K, N] with block [BLOCK_K, BLOCK_N], transposed in shared memory
     SWAP_AB: tl.constexpr,      # True: accᵀ = W·xᵀ (weight rows on wgmma's M side); False: acc = x·Wᵀ
     X_TMA: tl.constexpr,        # x tiles through TMA (x_ptr is a descriptor over x [M, K], block [BLOCK_M, BLOCK_K])
-    MASK_ROWS: tl.constexpr,    # pointer x loads masked by the token rows (decode tiles: M < BLOCK_M; knob k2_mask_x_rows)
+    MASK_ROWS: tl.constexpr,    # pointer x loads masked by the token rows (decode tiles, M < BLOCK_M; knob
+                                # k2_mask_x_rows)
     SYNC_A: tl.constexpr,       # W8A16 swap_ab: retire each k-step's wgmmas before the next widening (see there)
     FP8_ACC: tl.constexpr,      # W8A8: max_num_imprecise_acc for the FP8 wgmma (None = Triton's sm_90 default,
                                 # fast accumulation as CUTLASS's FastAccum; an int promotes every FP8_ACC k)
@@ -651,8 +652,9 @@ def _pdl_wait_early(mode, use_pdl, q, K, w_tma, x_from_primary=True):
     return 2 if use_pdl and not w_tma and aligned else True
 
 
-def _variant_flags(cfg, mode, x, meta, has_lora, dist_red) -> dict:
-    """The host-chosen kernel variants: slot pipeline, unrolled split-K sum, widening, SYNC_A, FP8_ACC."""
+def _variant_flags(cfg, mode, x, meta, has_lora, dist_red, x_tma) -> dict:
+    """The host-chosen kernel variants: slot pipeline, unrolled split-K sum, widening, SYNC_A, FP8_ACC, masked x
+    rows."""
     kn = knobs()
     interpreting = dispatch.triton_interpreting()
     # the slot-pipelined epilogue pays off with several adapters per tile; at 256-token tiles it would spill
@@ -668,7 +670,8 @@ def _variant_flags(cfg, mode, x, meta, has_lora, dist_red) -> dict:
         widen_asm = {"bits": 1, "prmt": 2, "cvt": 0}[cfg.widen]
     return dict(PIPE_SLOTS=pipe_slots, RED_UNROLL=red_unroll, WIDEN_ASM=widen_asm,
                 SYNC_A=kn.k2_sync_a and mode == "w8a16" and cfg.swap_ab and not interpreting,
-                FP8_ACC=None if kn.fp8_precise_acc is None else min(kn.fp8_precise_acc, cfg.block_k))
+                FP8_ACC=None if kn.fp8_precise_acc is None else min(kn.fp8_precise_acc, cfg.block_k),
+                MASK_ROWS=kn.k2_mask_x_rows and not x_tma and x.shape[0] < cfg.block_m)
 
 
 def _gluon_mainloop(x, q, w_scale, h, B, slices, has_lora, gather, g, bias, lora_precision, use_pdl, out):
@@ -737,7 +740,6 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
            LORA_PREC=lora_precision, LORA_DT=_lora_dt(slices[0].dtype if has_lora else None),
            EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,
            USE_PDL=use_pdl, PDL_WAIT_EARLY=_pdl_wait_early(mode, use_pdl, q, K, w_tma, x_from_primary), W_TMA=w_tma,
-           SWAP_AB=cfg.swap_ab, X_TMA=x_tma, MASK_ROWS=not x_tma and M < cfg.block_m and knobs().k2_mask_x_rows,
-           **_variant_flags(cfg, mode, x, meta, has_lora, dist_red),
+           SWAP_AB=cfg.swap_ab, X_TMA=x_tma, **_variant_flags(cfg, mode, x, meta, has_lora, dist_red, x_tma),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
     return out

@@ -4,9 +4,10 @@ both engine modes: kernels against fp64 math; quantization bit-equal to the refe
 IEEE amax/448 and to vLLM's dynamic_per_token_scaled_fp8_quant; the matched property (engine W8A16 call and
 trainer forward bit-identical on the same rows); the two W8A16 widenings, the two multi-adapter epilogue
 variants, the two split-K reductions (distributed over the tile's programs, or by its last program; also
-in CUDA-graph replays with PDL) and the W8A16 BLOCK_K chunkings of one reduction schedule bit-identical; the Gluon main loop (gemm_rs, > 512 tokens without metadata) bit-identical to
-the Triton kernel for the forward (with DoRA's g; ranks up to 512 in rank chunks) and dx GEMMs; the training linear's forward and backward against
-LoRALinearRef, with allocation sizes showing that no weight is copied.
+in CUDA-graph replays with PDL) and the W8A16 BLOCK_K chunkings of one reduction schedule bit-identical; the Gluon
+main loop (gemm_rs, > 512 tokens without metadata) bit-identical to the Triton kernel for the forward (with DoRA's
+g; ranks up to 512 in rank chunks) and dx GEMMs; the training linear's forward and backward against LoRALinearRef,
+with allocation sizes showing that no weight is copied.
 
 All kernels the cases need are compiled up front in parallel (rlfp8.kernels._triton_utils.precompile), so
 the module runs in about a minute or two on an H200:
