@@ -4,12 +4,14 @@
 Per projection of one Qwen3-8B layer (qkv 4096->6144 in 3 slices, o 4096->4096, gate_up 4096->24576 in 2
 slices, down 12288->4096) and for the four together (the layer), one rank-64 adapter on every token,
 M in {1, 4, 16, 64}, both engine modes (w8a8, w8a16), three arms of rlfp8.kernels.fp8_lora_linear:
-  base   : no adapter (W8A8: the activation quantizer + K2; W8A16: K2), our own no-adapter layer
+  base   : no adapter (W8A16: K2; W8A8: K2 quantizing x itself at <= 16 tokens (knob k2_quant_x_tokens, the
+           default), the activation quantizer + K2 above), our own no-adapter layer
   stream : K1 + K2 in plain stream order (kernel knob pdl=off)
-  pdl    : K1 + K2, K2 as K1's programmatic dependent (pdl=on); W8A8 quantizes x in its own kernel before K1,
-           so K2 waits for K1 only before its epilogue (knob pdl_w8a8_quant=separate, the default)
+  pdl    : K1 + K2, K2 as K1's programmatic dependent (pdl=on); W8A8 quantizes x in K2 (<= 16 tokens) or in its
+           own kernel before K1 (knob pdl_w8a8_quant=separate, the default), so K2 waits for K1 only before its
+           epilogue
   pdl_fused (W8A8 only): the same with K1 quantizing x beside its shrink, K2 waiting before its main loop
-           (pdl_w8a8_quant=fused: the earlier default), timed in the same paired replays
+           (pdl_w8a8_quant=fused, k2_quant_x_tokens=0: the earlier default), timed in the same paired replays
 Times: median µs of --reps CUDA-graph replays, L2 flushed before each, the three graphs replayed in turn
 (bench/kernel_bench.py Timer.paired_us). Overhead ratio = (pdl - base) / (stream - base): how much of the
 adapter's cost PDL leaves.
@@ -98,7 +100,8 @@ def arm_fn(probs, projs, M, mode, arm):
 
     def fn():
         saved = set_knobs(pdl="on" if arm.startswith("pdl") else "off",
-                          pdl_w8a8_quant="fused" if arm == "pdl_fused" else "separate")
+                          pdl_w8a8_quant="fused" if arm == "pdl_fused" else "separate",
+                          **({"k2_quant_x_tokens": 0} if arm == "pdl_fused" else {}))
         try:
             for p in projs:
                 xs, q, sw, A, B, metas = probs[p]

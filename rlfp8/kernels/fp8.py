@@ -17,8 +17,11 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_weight_ref(w)
 
 
-def quantize_activation(x: torch.Tensor, rounding: str = "div") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation(x: torch.Tensor, rounding: str = "div", use_pdl: bool = False) -> tuple[torch.Tensor,
+                                                                                          torch.Tensor]:
+    """Per-token FP8 codes and scales of x (W8A8). use_pdl (Triton): the kernel lets a programmatic dependent
+    launch (the caller's K2, which waits for it before reading the codes)."""
     if dispatch.choose("quantize_activation", x) == "triton":
         from .fp8_triton import quantize_activation_triton
-        return quantize_activation_triton(x, rounding)
+        return quantize_activation_triton(x, rounding, use_pdl=use_pdl)
     return quantize_activation_ref(x, rounding)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ._triton_utils import check_tensor, stacked_view
-from .fp8_ref import FP8_DTYPE
+from .fp8_ref import ACT_ROUNDING, FP8_DTYPE, quantize_activation_ref
 from .metadata import LoRAMeta
 
 OP = "lora_gemm"
@@ -23,17 +23,25 @@ def gemm_mode(x: torch.Tensor) -> str:
     return "w8a8" if x.dtype == FP8_DTYPE else "w8a16"
 
 
-def check_lora_gemm_args(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype):
+def check_lora_gemm_args(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype, quantize_x=None):
+    """(mode, B slices): "w8a8" for e4m3 x, or 16-bit x with quantize_x (K2 quantizes x per token itself with
+    that rounding), else "w8a16"; a ValueError naming the argument and its shape for anything else."""
     M, K = x.shape if x.dim() == 2 else (None, None)
     check_tensor(OP, "x", x, ndim=2, dtypes=(torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE))
+    if quantize_x is not None:
+        if quantize_x not in ACT_ROUNDING:
+            raise ValueError(f"rlfp8.kernels.{OP}: quantize_x {quantize_x!r}: allowed {ACT_ROUNDING} or None")
+        if x.dtype == FP8_DTYPE or x_scale is not None:
+            raise ValueError(f"rlfp8.kernels.{OP}: quantize_x takes 16-bit x without x_scale (K2 quantizes it), "
+                             f"got {x.dtype} x {tuple(x.shape)}, x_scale {'given' if x_scale is not None else None}")
     check_tensor(OP, "q", q, ndim=2, dtypes=(FP8_DTYPE,), device=x.device)
     N = q.shape[0]
     if q.shape[1] != K:
         raise ValueError(f"rlfp8.kernels.{OP}: q {tuple(q.shape)} must be [N, K] with K = x.shape[1] = {K}")
     if w_scale is not None:
         check_tensor(OP, "w_scale", w_scale, shape=(N,), dtypes=(torch.float32,), device=x.device)
-    mode = gemm_mode(x)
-    if mode == "w8a8":
+    mode = "w8a8" if quantize_x is not None else gemm_mode(x)
+    if mode == "w8a8" and quantize_x is None:
         if x_scale is None:
             raise ValueError(f"rlfp8.kernels.{OP}: FP8 x {tuple(x.shape)} (W8A8) needs x_scale [{M}, 1]")
         if x_scale.numel() != M or x_scale.dtype != torch.float32:
@@ -77,9 +85,12 @@ def check_lora_gemm_args(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype)
 
 
 def lora_gemm_ref(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAMeta | None = None, g=None,
-                  bias=None, out_dtype=None, **_ignored) -> torch.Tensor:
-    """Plain torch, fp32: acc = x·qᵀ; scale; + h·B_slotᵀ per slice and slot; · g; + bias; one cast."""
-    mode, slices = check_lora_gemm_args(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype)
+                  bias=None, out_dtype=None, quantize_x=None, **_ignored) -> torch.Tensor:
+    """Plain torch, fp32: acc = x·qᵀ; scale; + h·B_slotᵀ per slice and slot; · g; + bias; one cast.
+    quantize_x: x (16-bit) is first quantized per token as fp8.quantize_activation does (W8A8)."""
+    mode, slices = check_lora_gemm_args(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype, quantize_x)
+    if quantize_x is not None:
+        x, x_scale = quantize_activation_ref(x, quantize_x)
     M, K = x.shape
     out_dtype = out_dtype or (torch.bfloat16 if mode == "w8a8" else x.dtype)
     acc = x.float() @ q.float().t()                                                # [M, N]

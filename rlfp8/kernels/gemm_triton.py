@@ -56,6 +56,13 @@ Kernel strategy (Hopper):
     only ask L2 for the first bytes of their weight rows before the wait (_prefetch_weight_rows). Nothing
     before the wait reads what K1 writes; gdc_wait returns once K1 has completed and flushed. The
     interpreter cannot run gdc_*, hence the constexpr guard.
+  * quantize_x (W8A8 on 16-bit x; the engine's decode calls, knob k2_quant_x_tokens): every program first forms
+    its tokens' scales over the whole row (amax pass over x, from L2), then quantizes each x tile in registers
+    before the FP8 MMA, with fp8_triton's helpers (the same codes as fp8.quantize_activation, so the same bits
+    as a quantizer kernel + K2). Meant to save the quantizer's launch at decode sizes (and under PDL K2 then
+    needs nothing of K1 before its epilogue); off by default, since the H200 measured it slower (bench/README.md,
+    session 16). Pointer x loads only (no TMA), no distributed split-K reduction (a program holds its whole
+    tile's scales).
   * configs per token bucket (gemm_configs); a tuned table (rlfp8/kernels/tuned/<gpu>.json, written by
     bench/kernel_bench.py --tune) overrides the heuristics. Configs are keyed by (mode, token bucket, K, N class)
     where the N class only separates N <= 8192 from wider weights, so the q/k/v row views of a fused qkv
@@ -80,6 +87,7 @@ from .gemm_configs import (GLUON_SCHEDULE, M_BUCKETS, SM90_MAX_SMEM, WIDENINGS, 
                            invariant_gemm_config, m_bucket, rank_chunk, same_sums)
 from .knobs import knobs
 from .gemm_ref import check_lora_gemm_args
+from .fp8_triton import ROUNDING_CODE, _quant_codes, _rows_scale
 from .metadata import LoRAMeta
 from .timeline import K2_END, K2_MAINLOOP_END, K2_START, K2_WAIT_ENTER, K2_WAIT_EXIT, stamp
 from .widen import _e4m3_to_bf16, _e4m3x2_to_bf16, _e4m3x4_to_bf16, _keep
@@ -188,6 +196,30 @@ def _prefetch_weight_rows(w_ptr, n_ld, stride_wn, pid_k, K, BLOCK_K: tl.constexp
                                   [rows, tl.zeros_like(n_ld) + nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
+def _amax_chunk(block_m: int, block_k: int) -> int:
+    """The columns per step of K2's amax pass: the whole tile at most 4096 fp32 values (32 registers per thread
+    at 4 warps), at least 16."""
+    return min(block_k, max(16, 4096 // block_m))
+
+
+_amax_chunk_cx = triton.constexpr_function(_amax_chunk)
+
+
+@triton.jit
+def _rows_amax(x_ptr, rows64, m_ok, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """max |x| over each of the tile's token rows [BLOCK_M] (padding rows: 0), in chunks of _amax_chunk, the chunk
+    loads software-pipelined (unpipelined, each chunk waited one L2 round trip before the next was asked for)."""
+    CHUNK: tl.constexpr = _amax_chunk_cx(BLOCK_M, BLOCK_K)
+    offs_k = tl.arange(0, CHUNK)
+    x_rows = x_ptr + rows64[:, None] * stride_xm
+    amax = tl.zeros((BLOCK_M, CHUNK), tl.float32)
+    for k0 in tl.range(0, K, CHUNK, num_stages=4):
+        v = tl.load(x_rows + (k0 + offs_k)[None, :] * stride_xk, mask=m_ok[:, None] & ((k0 + offs_k) < K)[None, :],
+                    other=0.0)
+        amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+    return tl.max(amax, axis=1)
+
+
 _PIPE_SLOTS_OVERRIDE: bool | None = None     # tests only: force the multi-adapter epilogue variant on or off
 _BIG = tl.constexpr(1 << 30)    # "no more slots" sentinel (kernels may only read constexpr globals)
 
@@ -230,6 +262,8 @@ def _lora_gemm_kernel(
     SYNC_A: tl.constexpr,       # W8A16 swap_ab: retire each k-step's wgmmas before the next widening (see there)
     FP8_ACC: tl.constexpr,      # W8A8: max_num_imprecise_acc for the FP8 wgmma (None = Triton's sm_90 default,
                                 # fast accumulation as CUTLASS's FastAccum; an int promotes every FP8_ACC k)
+    QUANT_X: tl.constexpr,      # W8A8 on 16-bit x: 0 = x is e4m3 codes + x_scale; 1 ("div") / 2 ("recip") = the
+                                # program quantizes its x tiles per token itself (fp8_triton's arithmetic)
 ):
     # ---- tile coordinates: split index fastest, then grouped (token tiles, weight tiles) order
     pid = tl.program_id(0)
@@ -258,6 +292,9 @@ def _lora_gemm_kernel(
     else:
         rows = tl.where(m_ok, offs_m, 0)
     rows64 = rows.to(tl.int64)
+    if QUANT_X:
+        # every program forms its tokens' scales over the whole row (the amax does not depend on the order)
+        x_scale = _rows_scale(_rows_amax(x_ptr, rows64, m_ok, K, stride_xm, stride_xk, BLOCK_M, BLOCK_K))
 
     if USE_PDL:
         if PDL_WAIT_EARLY:
@@ -308,6 +345,11 @@ def _lora_gemm_kernel(
             xt = tl.load(x_ptrs, mask=((k + offs_k) < K)[:, None], other=0.0)
         else:
             xt = tl.load(x_ptrs, mask=((k + offs_k) < K)[None, :], other=0.0)
+        if QUANT_X:
+            if SWAP_AB:
+                xt = _quant_codes(xt.to(tl.float32), x_scale[None, :], QUANT_X)
+            else:
+                xt = _quant_codes(xt.to(tl.float32), x_scale[:, None], QUANT_X)
         if WIDEN_W:
             if WIDEN_ASM == 2:
                 if SWAP_AB:
@@ -387,15 +429,19 @@ def _lora_gemm_kernel(
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     # ---- epilogue: scales, LoRA (per slice, per slot), DoRA g, bias, one rounding
+    if HAS_XS:
+        if QUANT_X:
+            sx = x_scale                                        # the whole tile's tokens (no DIST_RED)
+        else:
+            sx = tl.load(sx_ptr + rows64)
     if SCALE_W == 1:
         sw = tl.load(sw_ptr + n_ld)
         if HAS_XS:
-            sx = tl.load(sx_ptr + rows64)
             acc = acc * (sw[:, None] * sx[None, :])
         else:
             acc = acc * sw[:, None]
     elif HAS_XS:
-        acc = acc * tl.load(sx_ptr + rows64)[None, :]
+        acc = acc * sx[None, :]
 
     if USE_PDL:
         if not PDL_WAIT_EARLY:
@@ -629,12 +675,13 @@ def _w_operand(q, cfg):
                      f"aligned rows, got q {tuple(q.shape)} strides {q.stride()}")
 
 
-def _x_operand(x, cfg, gather):
-    """x itself, or a TMA descriptor where the rows are not gathered (dispatch records which)."""
+def _x_operand(x, cfg, gather, quantize_x):
+    """x itself, or a TMA descriptor where the rows are not gathered and K2 does not quantize them (dispatch records
+    which)."""
     if not cfg.x_tma:
         return x, False
     x_arg, x_tma = x, False
-    if (not gather and x.stride(0) * x.element_size() % 16 == 0
+    if (not gather and quantize_x is None and x.stride(0) * x.element_size() % 16 == 0
             and x.data_ptr() % 16 == 0):
         from triton.tools.tensor_descriptor import TensorDescriptor
         x_arg, x_tma = TensorDescriptor.from_tensor(x, [cfg.block_m, cfg.block_k]), True
@@ -689,8 +736,8 @@ def _gluon_mainloop(x, q, w_scale, h, B, slices, has_lora, gather, g, bias, lora
 def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAMeta | None = None, g=None,
                      bias=None, out_dtype=None, out=None, config: GemmConfig | None = None, gather=None,
                      lora_precision: str = "bf16x2", use_pdl: bool = False,
-                     x_from_primary: bool = True) -> torch.Tensor:
-    mode, slices = check_lora_gemm_args(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype)
+                     x_from_primary: bool = True, quantize_x: str | None = None) -> torch.Tensor:
+    mode, slices = check_lora_gemm_args(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype, quantize_x)
     _check_launch(x, mode, lora_precision, use_pdl, q)
     M, K = x.shape
     N = q.shape[0]
@@ -715,15 +762,16 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
         if y is not None:
             return y
     m_tiles, n_tiles = cdiv(M, cfg.block_m), cdiv(N, cfg.block_n)
+    # (a program quantizing x holds its whole tile's scales: it reduces the whole tile)
     dist_red = (knobs().k2_dist_red and cfg.split_k in (2, 4, 8) and cfg.block_m // cfg.split_k >= 16
-                and not dispatch.triton_interpreting())
+                and quantize_x is None and not dispatch.triton_interpreting())
     part, cnt = _split_k_buffers(cfg, m_tiles, n_tiles, dist_red, out)
     dummy = out
     L, ends, b_ptrs, r, bst, hst = _lora_args(slices, has_lora, h, N, dummy)
     slot_t = meta.token_lora_mapping if (has_lora and meta is not None) else dummy
     perm_t = meta.token_indices_sorted_by_lora_ids if gather else dummy
     w_arg, w_tma = _w_operand(q, cfg)
-    x_arg, x_tma = _x_operand(x, cfg, gather)
+    x_arg, x_tma = _x_operand(x, cfg, gather, quantize_x)
     launch(_lora_gemm_kernel, (m_tiles * n_tiles * cfg.split_k,),
            w_arg, x_arg, out, w_scale if w_scale is not None else dummy, x_scale if x_scale is not None else dummy,
            h if has_lora else dummy, *b_ptrs, slot_t, perm_t, g if g is not None else dummy,
@@ -739,7 +787,8 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
            GATHER=bool(gather), HAS_G=g is not None and has_lora, HAS_BIAS=bias is not None,
            LORA_PREC=lora_precision, LORA_DT=_lora_dt(slices[0].dtype if has_lora else None),
            EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,
-           USE_PDL=use_pdl, PDL_WAIT_EARLY=_pdl_wait_early(mode, use_pdl, q, K, w_tma, x_from_primary), W_TMA=w_tma,
+           USE_PDL=use_pdl, W_TMA=w_tma, QUANT_X=ROUNDING_CODE[quantize_x] if quantize_x else 0,
+           PDL_WAIT_EARLY=_pdl_wait_early(mode, use_pdl, q, K, w_tma, x_from_primary and quantize_x is None),
            SWAP_AB=cfg.swap_ab, X_TMA=x_tma, **_variant_flags(cfg, mode, x, meta, has_lora, dist_red, x_tma),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
     return out

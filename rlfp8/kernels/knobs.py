@@ -56,6 +56,19 @@ class KernelKnobs:
     # epilogue (as W8A16) and its main loop overlaps K1; "fused" = K1 quantizes x beside its shrink and K2 waits
     # before its main loop (x_q is K1's). Same codes, same bits; dispatch records "lora_gemm.pdl_wait"
     pdl_w8a8_quant: str = "separate"
+    # W8A8 without an adapter (or no token with one) under PDL: K2 launched as the activation quantizer's
+    # programmatic dependent (its launch and the L2 prefetch of its weight rows overlap the quantizer; it waits
+    # before its main loop); False = quantizer, then K2 in stream order. Same bits
+    pdl_quant_k2: bool = False
+    # W8A8 calls of at most this many tokens (decode): K2 quantizes x per token itself (no quantizer launch; with
+    # an adapter K1 only shrinks and, under PDL, K2's main loop overlaps it); 0 = never (the default: on the H200
+    # each projection took 1.4-2.8x as long, bench/README.md). Same codes, same bits; dispatch records
+    # "lora_gemm.x_quant" = k2 | k1 | kernel
+    k2_quant_x_tokens: int = 0
+    # K1 at decode sizes (<= 16 tokens): ranks per program (16 / 32 / 64), so a rank-64 shrink runs on 4 / 2 / 1
+    # times the programs (more in flight beside K2's main loop under PDL); 0 = the whole rank up to 128. Same bits
+    # (each h column's sum is its own); dispatch records "lora_shrink.rank_blocks"
+    k1_decode_rank_block: int = 0
     # K1/K2 launch configs whose reductions over K follow one schedule per weight shape, whatever the token
     # count (gemm_configs.reduction_schedule): "auto" = for the W8A16 calls (the matched engine and the FP8
     # trainer's forward), "on" = W8A8 too, "off" = the tuned per-token-count configs everywhere
@@ -80,6 +93,9 @@ ENV_VARS = {
     "RLFP8_TUNED_NEAREST": "tuned_nearest",
     "RLFP8_PDL": "pdl",
     "RLFP8_PDL_W8A8_QUANT": "pdl_w8a8_quant",
+    "RLFP8_PDL_QUANT_K2": "pdl_quant_k2",
+    "RLFP8_K2_QUANT_X_TOKENS": "k2_quant_x_tokens",
+    "RLFP8_K1_DECODE_RANK_BLOCK": "k1_decode_rank_block",
     "RLFP8_BATCH_INVARIANT": "batch_invariant",
     "RLFP8_HOST_FAST": "host_fast",
 }
@@ -87,7 +103,8 @@ ENV_VARS_BY_KNOB = {knob: var for var, knob in ENV_VARS.items()}
 _NAMES = tuple(f.name for f in dataclasses.fields(KernelKnobs))
 _CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "pdl": PDL_MODES, "pdl_w8a8_quant": PDL_W8A8_QUANT,
             "batch_invariant": BATCH_INVARIANT}
-_FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "k2_mask_x_rows", "host_fast", "tuned_nearest")
+_FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "k2_mask_x_rows", "host_fast", "tuned_nearest", "pdl_quant_k2")
+_COUNTS = ("k2_quant_x_tokens",)
 
 
 def _validated(name: str, value, source: str):
@@ -103,6 +120,12 @@ def _validated(name: str, value, source: str):
     elif name == "fp8_precise_acc":
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{source}={value!r}: allowed values are null or a positive int (k elements)")
+    elif name in _COUNTS:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{source}={value!r}: allowed values are an int >= 0 (tokens)")
+    elif name == "k1_decode_rank_block":
+        if value not in (0, 16, 32, 64):
+            raise ValueError(f"{source}={value!r}: allowed values are 0, 16, 32, 64 (ranks per program)")
     elif value is not None and not isinstance(value, str):
         raise ValueError(f"{source}={value!r}: allowed values are null or a GPU name (string)")
     return value
@@ -117,6 +140,11 @@ def _from_env(name: str, text: str):
             return int(text) if text else None
         except ValueError:
             raise ValueError(f"{ENV_VARS_BY_KNOB[name]}={text!r}: allowed values are unset or a positive int")
+    if name in _COUNTS or name == "k1_decode_rank_block":
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{ENV_VARS_BY_KNOB[name]}={text!r}: allowed values are an int >= 0 (tokens)")
     return text
 
 

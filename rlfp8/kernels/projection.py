@@ -22,7 +22,11 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
     shrink_out: a preallocated h buffer [L, T, r] fp32 (vLLM's); by default an uninitialised one, since K2
     never reads the rows of tokens without adapter (no memset launch).
     With Triton kernels K2 is launched as K1's programmatic dependent where the knob `pdl` allows it (same
-    bits); dispatch records "lora_gemm.launch" = pdl | stream."""
+    bits); dispatch records "lora_gemm.launch" = pdl | stream.
+    W8A8: where x is quantized (same codes everywhere; dispatch records "lora_gemm.x_quant"): "k2" = inside K2
+    at <= k2_quant_x_tokens tokens (one launch fewer: at decode a launch costs about what the quantization
+    does), "k1" = beside K1's shrink, "kernel" = by its own kernel before K1 (or before K2 without an adapter:
+    with the knob pdl_quant_k2, K2 is then the quantizer's programmatic dependent)."""
     if mode not in ("w8a16", "w8a8"):
         raise ValueError(f"rlfp8.kernels.fp8_lora_linear: mode {mode!r}: allowed 'w8a16', 'w8a8'")
     if (A is None) != (B is None):
@@ -32,13 +36,27 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
         raise ValueError(f"rlfp8.kernels.fp8_lora_linear: rounding {rounding!r}: allowed {ACT_ROUNDING}")
     h = None
     x_in, x_scale = x, None
-    use_pdl = _use_pdl(x, q, A, meta)
+    adapter_tokens = A is not None and not (meta is not None and meta.no_lora)
+    quant_in_k2 = quant is not None and x.shape[0] <= knobs().k2_quant_x_tokens
+    out_dtype = out_dtype or (x.dtype if x.dtype != torch.float32 else torch.bfloat16)
+    chain_quant = not adapter_tokens and quant is not None and not quant_in_k2 and knobs().pdl_quant_k2
+    use_pdl = _use_pdl(x, q, adapter_tokens or chain_quant)
+    if chain_quant and use_pdl:
+        # no K1 to overlap: K2 is the quantizer's programmatic dependent instead, its launch and the L2 prefetch
+        # of its weight rows overlapping the quantizer (it waits before its main loop reads x_q)
+        dispatch.record("lora_gemm.x_quant", "kernel")
+        dispatch.record("lora_gemm.pdl_wait", "main_loop")
+        x_q, x_scale = quantize_activation(x, quant, use_pdl=True)
+        return lora_gemm(x_q, q, w_scale, x_scale=x_scale, meta=meta if A is not None else None, bias=bias,
+                         use_pdl=True, out_dtype=out_dtype)
     # K1 quantizes x beside its shrink, except under PDL with pdl_w8a8_quant=separate: then the quantizer runs
     # first, in stream order (the same codes), and K2's main loop needs nothing of K1's (it waits only before the
     # epilogue reads h); without an adapter there is no K1
-    quant_in_k1 = (quant is not None and A is not None
+    quant_in_k1 = (quant is not None and A is not None and not quant_in_k2
                    and not (use_pdl and knobs().pdl_w8a8_quant == "separate"))
-    if quant is not None and not quant_in_k1:
+    if quant is not None:
+        dispatch.record("lora_gemm.x_quant", "k2" if quant_in_k2 else "k1" if quant_in_k1 else "kernel")
+    if quant is not None and not quant_in_k1 and not quant_in_k2:
         x_in, x_scale = quantize_activation(x, quant)
     if use_pdl:
         dispatch.record("lora_gemm.pdl_wait", "main_loop" if quant_in_k1 else "epilogue")
@@ -55,17 +73,19 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
         if quant_in_k1:
             x_in, x_scale = so.x_q, so.x_scale
     gemm_kw = {"x_from_primary": quant_in_k1} if use_pdl else {}
+    if quant_in_k2:
+        gemm_kw["quantize_x"] = quant
     y = lora_gemm(x_in, q, w_scale, x_scale=x_scale, h=h, B=B, meta=meta, g=g, bias=bias, use_pdl=use_pdl,
-                  out_dtype=out_dtype or (x.dtype if x.dtype != torch.float32 else torch.bfloat16), **gemm_kw)
+                  out_dtype=out_dtype, **gemm_kw)
     return y
 
 
-def _use_pdl(x, q, A, meta) -> bool:
-    """K2 as K1's programmatic dependent: only on the Triton path, and only when K1 runs a shrink kernel
-    (which triggers the launch); otherwise K2 follows in stream order (recorded either way)."""
+def _use_pdl(x, q, primary: bool) -> bool:
+    """K2 as a programmatic dependent: only on the Triton path, and only where a primary kernel (K1's shrink, or
+    the quantizer) triggers the launch; otherwise K2 follows in stream order (recorded either way)."""
     if dispatch.would_choose("lora_gemm", x, q) != "triton":
         return False
-    if A is None or (meta is not None and meta.no_lora):
+    if not primary:
         dispatch.record("lora_gemm.launch", "stream")
         return False
     return dispatch.choose_launch("lora_gemm", x.device)

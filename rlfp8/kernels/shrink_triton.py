@@ -109,11 +109,14 @@ def _pick_shrink_config(config, M: int, K: int, r: int, quant) -> ShrinkConfig:
 SHRINK_RANK_BLOCK = 128
 
 
-def shrink_rank_block(block_r: int) -> int:
-    return min(block_r, SHRINK_RANK_BLOCK)
-
-
-_shrink_rank_block = triton.constexpr_function(shrink_rank_block)
+def shrink_rank_block(block_r: int, M: int | None = None) -> int:
+    """Ranks per program: up to SHRINK_RANK_BLOCK; at decode sizes (M <= 16) the knob k1_decode_rank_block when set,
+    which multiplies K1's programs (at rank 64 and split 8, qkv has 24) without changing a bit of h."""
+    rb = min(block_r, SHRINK_RANK_BLOCK)
+    decode = knobs().k1_decode_rank_block
+    if M is not None and M <= 16 and decode:
+        rb = min(rb, decode)
+    return rb
 
 
 @triton.jit
@@ -128,6 +131,7 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     N_SLICES: tl.constexpr, ALL_SLOT0: tl.constexpr, QUANT: tl.constexpr, QBLOCK_M: tl.constexpr,
     QBLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, RED_UNROLL: tl.constexpr, USE_PDL: tl.constexpr,
+    BR_BLOCK: tl.constexpr,     # ranks per program (shrink_rank_block): BLOCK_R // BR_BLOCK programs per tile
 ):
     # 1-D grid: [n_quant quantization programs (W8A8 only)] + [SPLIT_K x m_tiles x N_SLICES x segments shrink
     # programs], split index fastest.
@@ -147,10 +151,10 @@ def _lora_shrink_kernel(
                              stride_qk, stride_xs, QBLOCK_M, QBLOCK_K, QUANT)
     is_shrink = pid >= n_quant
     p = tl.maximum(pid - n_quant, 0)          # quantization programs decode as shrink program 0, then skip it
-    # above rank 128 a tile's ranks are cut into blocks of BR_BLOCK, one program each (next to each other, so
-    # they read the same x rows from L2): the [BLOCK_M, BLOCK_R] accumulator and the A tile of one program stay
-    # small. Each h element's sum over K is the same whatever the block (its own column of the MMA).
-    BR_BLOCK: tl.constexpr = _shrink_rank_block(BLOCK_R)
+    # above rank 128 (and at decode sizes with the knob k1_decode_rank_block) a tile's ranks are cut into blocks of
+    # BR_BLOCK, one program each (next to each other, so they read the same x rows from L2): the [BLOCK_M,
+    # BLOCK_R] accumulator and the A tile of one program stay small, and there are more programs. Each h
+    # element's sum over K is the same whatever the block (its own column of the MMA).
     RANK_BLOCKS: tl.constexpr = BLOCK_R // BR_BLOCK
     pid_sk = p % SPLIT_K
     pid_rb = (p // SPLIT_K) % RANK_BLOCKS
@@ -279,7 +283,8 @@ def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: 
     m_tiles = cdiv(M, cfg.block_m)
     n_seg = 1 if meta is None else max(meta.num_active, 1)
     ws = torch.empty((cfg.split_k, L, M, br), dtype=torch.float32, device=dev) if cfg.split_k > 1 else h
-    rank_blocks = br // shrink_rank_block(br)
+    rb = shrink_rank_block(br, M)
+    rank_blocks = br // rb
     cnt = split_counters(OP, n_seg * L * rank_blocks * m_tiles, dev) if cfg.split_k > 1 else h
     if meta is None:
         md = (h, h, h, h)                     # unused (ALL_SLOT0)
@@ -294,7 +299,7 @@ def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: 
         qbm, qbk, n_quant = 1, 16, 0
     # unroll the split-K reduction while the partials (BLOCK_M x BR_BLOCK fp32 per split) stay within ~128
     # registers per thread
-    red_unroll = cfg.block_m * shrink_rank_block(br) * (cfg.split_k - 1) <= 128 * 32 * cfg.num_warps
+    red_unroll = cfg.block_m * rb * (cfg.split_k - 1) <= 128 * 32 * cfg.num_warps
     dispatch.record(f"{OP}.rank_blocks", str(rank_blocks))
     grid = (n_quant + cfg.split_k * rank_blocks * m_tiles * L * n_seg,)
     launch(_lora_shrink_kernel, grid,
@@ -305,7 +310,7 @@ def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: 
            xq.stride(0) if quant else 0, xq.stride(1) if quant else 0, xs.stride(0) if quant else 0,
            BLOCK_M=cfg.block_m, BLOCK_R=br, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, N_SLICES=L,
            ALL_SLOT0=meta is None, QUANT=ROUNDING_CODE[quant] if quant else 0, QBLOCK_M=qbm, QBLOCK_K=qbk,
-           EVEN_K=K % cfg.block_k == 0, RED_UNROLL=red_unroll, USE_PDL=use_pdl,
+           EVEN_K=K % cfg.block_k == 0, RED_UNROLL=red_unroll, USE_PDL=use_pdl, BR_BLOCK=rb,
            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     # K1 itself is launched in stream order (it reads x at once and has no gdc_wait); use_pdl only makes it
     # trigger its dependent K2. The workspace is returned so that the caller keeps it alive until K2 is

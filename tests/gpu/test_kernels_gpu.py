@@ -708,3 +708,80 @@ def test_gluon_rs_not_used_where_unsupported():
     assert dispatch.report()["lora_gemm.mainloop"] == {"triton": 3}, dispatch.report()
     assert rel_err(y32, lora_gemm_ref(x, q, sw, out_dtype=torch.float32)) < 1e-4
 
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("M", [1, 4, 16])
+def test_w8a8_quantize_x_in_k2_same_bits(shape, M):
+    """The engine's W8A8 decode calls: K2 quantizing x itself (knob k2_quant_x_tokens) equals a quantizer kernel
+    + K2 bit for bit, on the tuned configs, without an adapter and with one under PDL (K1 then only shrinks and K2
+    waits before its epilogue) and with four; 20 repeats of the fused call give the same bits."""
+    x, q, sw, A, B, slots, meta, bias = _case_inputs(shape, M, 64, 4)
+    one = build_lora_meta(torch.zeros(M, dtype=torch.long, device=DEV), 4)
+    for args in ((), (A, B, one), (A, B, meta)):
+        outs, paths = [], []
+        for limit in (16, 0):
+            saved = set_knobs(k2_quant_x_tokens=limit)
+            try:
+                dispatch.reset_report()
+                outs.append(fp8_lora_linear(x, q, sw, *args, mode="w8a8", bias=bias))
+                paths.append(dict(dispatch.report()))
+            finally:
+                restore_knobs(saved)
+        assert set(paths[0]["lora_gemm.x_quant"]) == {"k2"} and "k2" not in paths[1]["lora_gemm.x_quant"]
+        if args and "lora_gemm.launch" in paths[0] and set(paths[0]["lora_gemm.launch"]) == {"pdl"}:
+            assert set(paths[0]["lora_gemm.pdl_wait"]) == {"epilogue"}
+        assert _diff(outs[0], outs[1]) == 0
+        if not args:
+            ref = lora_gemm_ref(x, q, sw, quantize_x="div", bias=bias, out_dtype=torch.float32)
+            assert rel_err(outs[0], ref) < 1e-2
+        for _ in range(20):
+            assert torch.equal(fp8_lora_linear(x, q, sw, *args, mode="w8a8", bias=bias), outs[0])
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_k1_decode_rank_blocks_same_bits(shape, mode):
+    """Knob k1_decode_rank_block (16 / 32 ranks per K1 program at <= 16 tokens): the projection's output and h are
+    the same bits as with the whole rank in one program, one adapter and four, under PDL where it resolves on."""
+    for M in (1, 4, 16):
+        x, q, sw, A, B, slots, meta, bias = _case_inputs(shape, M, 64, 4)
+        one = build_lora_meta(torch.zeros(M, dtype=torch.long, device=DEV), 4)
+        for m in (one, meta):
+            outs, hs = [], []
+            for rb in (0, 16, 32):
+                saved = set_knobs(k1_decode_rank_block=rb)
+                try:
+                    outs.append(fp8_lora_linear(x, q, sw, A, B, m, mode=mode, bias=bias))
+                    hs.append(lora_shrink_triton(x, A, m).h)
+                finally:
+                    restore_knobs(saved)
+            has = m.token_lora_mapping >= 0
+            assert all(_diff(o, outs[0]) == 0 for o in outs), (M, [_diff(o, outs[0]) for o in outs])
+            assert all(torch.equal(h[:, has], hs[0][:, has]) for h in hs)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_w8a8_quantizer_chained_k2_same_bits(shape):
+    """Knob pdl_quant_k2: W8A8 without an adapter (and with LoRA buffers but no adapter token), K2 as the
+    quantizer's programmatic dependent gives the stream-order bits, 20 times over."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90+")
+    for M in (1, 16, 64):
+        x, q, sw, A, B, slots, meta, bias = _case_inputs(shape, M, 64, 4)
+        none = build_lora_meta(torch.full((M,), -1, dtype=torch.long, device=DEV), 4)
+        for args in ((), (A, B, none)):
+            outs, paths = [], []
+            for chain in (False, True):
+                saved = set_knobs(pdl_quant_k2=chain, pdl="on")
+                try:
+                    dispatch.reset_report()
+                    outs.append(fp8_lora_linear(x, q, sw, *args, mode="w8a8", bias=bias))
+                    paths.append(dict(dispatch.report()))
+                    if chain:
+                        for _ in range(20):
+                            assert torch.equal(fp8_lora_linear(x, q, sw, *args, mode="w8a8", bias=bias), outs[-1])
+                finally:
+                    restore_knobs(saved)
+            assert paths[1]["lora_gemm.launch"] == {"pdl": 1} and paths[0]["lora_gemm.launch"] == {"stream": 1}
+            assert _diff(outs[0], outs[1]) == 0

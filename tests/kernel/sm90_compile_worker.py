@@ -30,6 +30,7 @@ from rlfp8.kernels.linear_triton import dy_prep_triton  # noqa: E402
 from rlfp8.kernels.gemm_configs import (GLUON_SCHEDULE, M_BUCKETS, GemmConfig, _measured_candidate,  # noqa: E402
                                         _tuned_table, gemm_config, invariant_gemm_config, reduction_schedule)
 from rlfp8.kernels.gemm_triton import lora_gemm_triton  # noqa: E402
+from rlfp8.kernels.knobs import restore_knobs, set_knobs  # noqa: E402
 from rlfp8.kernels.shrink_triton import lora_shrink_triton  # noqa: E402
 from rlfp8.kernels.metadata import build_lora_meta  # noqa: E402
 
@@ -147,9 +148,28 @@ def _rank_and_pdl_launches(r: int = 64) -> None:
         lora_gemm_triton(x, q, sw, h=torch.empty(1, 16, rr), B=_e(2, N, rr), meta=meta)
     lora_shrink_triton(x, _e(2, r, K), meta, quant="div", use_pdl=True)
     lora_gemm_triton(x, q, sw, h=torch.empty(1, 16, r), B=_e(2, N, r), meta=meta, use_pdl=True)
-    # the engine projection's decode pairs (K1 -> K2 by PDL) in both modes: qkv (3 slices), split-K shrinks
     K, widths = SHAPES["qkv"]
     q, sw = _e(sum(widths), K, dtype=FP8), torch.empty(sum(widths))
+    # W8A8 decode (knob k2_quant_x_tokens): K2 quantizes x itself, alone and as K1's dependent (K1 only shrinks)
+    for M in (1, 16):
+        x, meta = _e(M, K), build_lora_meta(torch.zeros(M, dtype=torch.long), 2)
+        A, B = [_e(2, r, K)] * 3, [_e(2, w, r) for w in widths]
+        for rounding in ("div", "recip"):
+            lora_gemm_triton(x, q, sw, quantize_x=rounding)
+        so = lora_shrink_triton(x, A, meta, out=torch.empty(3, M, r), use_pdl=True)
+        lora_gemm_triton(x, q, sw, h=so.h, B=B, meta=meta, use_pdl=True, x_from_primary=False, quantize_x="div")
+        # knob pdl_quant_k2: W8A8 without an adapter, K2 as the quantizer's dependent (L2 prefetch, early wait)
+        xq, xs = quantize_activation_triton(x, "div", use_pdl=True)
+        lora_gemm_triton(xq, q, sw, x_scale=xs, use_pdl=True)
+        # knob k1_decode_rank_block: K1 in 16-rank programs at decode sizes, with and without PDL
+        saved = set_knobs(k1_decode_rank_block=16)
+        try:
+            lora_shrink_triton(x, A, meta, out=torch.empty(3, M, r), use_pdl=True)
+            lora_shrink_triton(x, A, meta, quant="div", out=torch.empty(3, M, r))
+        finally:
+            restore_knobs(saved)
+    # the engine projection's decode pairs (K1 -> K2 by PDL) in both modes: qkv (3 slices), split-K shrinks (the
+    # timeline test compiles the last four launches: these)
     for M in (1, 64):
         x, meta = _e(M, K), build_lora_meta(torch.zeros(M, dtype=torch.long), 2)
         A, B = [_e(2, r, K)] * 3, [_e(2, w, r) for w in widths]
@@ -170,6 +190,9 @@ def _tuned_table_launches(S: int = 4, r: int = 64) -> None:
         K, M = int(K), min(int(bucket), 4096)
         N = 4096 if ncls == "narrow" else 24576
         xx = _e(M, K, dtype=FP8 if mode == "w8a8" else BF16)
+        if mode == "w8a8" and M <= 16:                # the engine's decode calls: K2 quantizes bf16 x itself
+            lora_gemm_triton(_e(M, K), _e(N, K, dtype=FP8), torch.empty(N), quantize_x="div",
+                             config=GemmConfig(**entry))
         if mode == "w8a16T":                          # the training backward's dx GEMM (transposed codes)
             T = 8192
             lora_gemm_triton(_e(T, K), _e(K, N, dtype=FP8).t(), None, h=torch.empty(1, T, r),

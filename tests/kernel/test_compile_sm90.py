@@ -73,6 +73,10 @@ def test_quantizers_ieee_division_and_saturating_cast(compiled):
     quant = [r for r in compiled if r["name"] == "_quant_rows_kernel"
              or (r["name"] == "_lora_shrink_kernel" and r["constexprs"]["QUANT"])]
     assert {r["constexprs"]["QUANT" if "QUANT" in r["constexprs"] else "ROUNDING"] for r in quant} >= {1, 2}
+    in_k2 = [r for r in compiled if r["name"] == "_lora_gemm_kernel" and r["constexprs"]["QUANT_X"]]
+    assert {r["constexprs"]["QUANT_X"] for r in in_k2} == {1, 2}           # K2 quantizing x (W8A8 decode)
+    assert any(r["constexprs"]["HAS_LORA"] and r["constexprs"]["USE_PDL"] for r in in_k2)
+    quant += [r for r in in_k2 if r["constexprs"]["QUANT_X"] == 1]
     for r in quant:
         assert r["div_rn"] and not r["div_full"] and not r["div_approx"] and r["cvt_e4m3"], r
 
@@ -161,10 +165,15 @@ def test_pdl_wait_point_present_only_when_asked(compiled):
     """K1 (shrink, with and without the W8A8 quantization programs) triggers its dependent and is itself a
     plain launch (it has no wait); K2 waits and is the one launched with launch_pdl; in W8A8 with K1's x_q it
     asks L2 for its weight rows before the early wait; in W8A8 with x quantized before K1 it waits at the
-    epilogue, as W8A16. Without USE_PDL none of it, and no timeline stamp anywhere."""
+    epilogue, as W8A16. The quantizer with USE_PDL (knob pdl_quant_k2) triggers its dependent as K1 does, and K1
+    in 16-rank programs (knob k1_decode_rank_block) too. Without USE_PDL none of it, and no timeline stamp
+    anywhere."""
     pdl = [r for r in compiled if r["constexprs"].get("USE_PDL")]
-    assert {r["name"] for r in pdl} == {"_lora_shrink_kernel", "_lora_gemm_kernel"}
+    assert {r["name"] for r in pdl} == {"_lora_shrink_kernel", "_lora_gemm_kernel", "_quant_rows_kernel"}
+    quant = [r for r in pdl if r["name"] == "_quant_rows_kernel"]
+    assert all(r["gdc_launch"] and not r["gdc_wait"] and not r["launch_pdl"] for r in quant), quant
     k1 = [r for r in pdl if r["name"] == "_lora_shrink_kernel"]
+    assert any(r["constexprs"]["BR_BLOCK"] == 16 for r in k1)
     k2 = [r for r in pdl if r["name"] == "_lora_gemm_kernel"]
     assert {r["constexprs"]["QUANT"] for r in k1} == {0, 1} and any(r["constexprs"]["SPLIT_K"] > 1 for r in k1)
     assert all(r["gdc_launch"] and not r["gdc_wait"] and not r["launch_pdl"] for r in k1), k1

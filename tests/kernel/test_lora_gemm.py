@@ -289,3 +289,58 @@ def test_decode_tile_padding_rows_load_no_x(mode, cfg, device):
             knobs.restore_knobs(saved)
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert rel_err(outs[0][1], _fp64(p)) < 1e-2
+
+
+@pytest.mark.parametrize("rounding", ["div", "recip"])
+@pytest.mark.parametrize("cfg", [SMALL, SPLIT, NOSWAP, DECODE16], ids=["swap", "splitk3", "noswap", "decode16"])
+@pytest.mark.parametrize("M", [1, 3, 37])
+def test_quantize_x_in_k2_gives_the_separate_quantizers_bits(rounding, cfg, M, device):
+    """quantize_x: K2 quantizes 16-bit x per token itself (the engine's decode calls, knob k2_quant_x_tokens).
+    Same codes and scales as fp8.quantize_activation, so the output equals the e4m3-x call's bit for bit, with
+    adapters through metadata and without; K = 200 leaves a ragged last chunk in both the amax pass and the loop;
+    one row is all zeros (the scale's floor) and one holds a single huge value (its other codes flush to 0)."""
+    p = _problem(M, 200, [48, 40, 40], 4, 16, device)
+    x = p["x"].clone()
+    if M > 2:
+        x[M // 2] = 0
+        x[1, 7] = 3.0e4
+    xq, xs = fp8.quantize_activation_ref(x, rounding)
+    lora = dict(h=p["h"], B=p["B"], meta=p["meta"])
+    for kw in ({}, lora):
+        fused = lora_gemm_triton(x, p["q"], p["sw"], quantize_x=rounding, config=cfg, **kw)
+        separate = lora_gemm_triton(xq, p["q"], p["sw"], x_scale=xs, config=cfg, **kw)
+        assert fused.dtype == torch.bfloat16 and torch.equal(fused, separate)
+        ref = lora_gemm_ref(x, p["q"], p["sw"], quantize_x=rounding, out_dtype=torch.float32, **kw)
+        assert torch.equal(ref, lora_gemm_ref(xq, p["q"], p["sw"], x_scale=xs, out_dtype=torch.float32, **kw))
+        assert rel_err(fused.float(), ref) < 1e-2
+
+
+def test_quantize_x_argument_errors(device):
+    p = _problem(4, 64, [64], 1, 16, device)
+    xq, xs = fp8.quantize_activation_ref(p["x"])
+    with pytest.raises(ValueError, match="quantize_x 'nearest'"):
+        lora_gemm(p["x"], p["q"], p["sw"], quantize_x="nearest")
+    with pytest.raises(ValueError, match="quantize_x takes 16-bit x"):
+        lora_gemm(xq, p["q"], p["sw"], quantize_x="div")
+    with pytest.raises(ValueError, match="quantize_x takes 16-bit x"):
+        lora_gemm(p["x"], p["q"], p["sw"], x_scale=xs, quantize_x="div")
+
+
+@pytest.mark.parametrize("adapter", [False, True])
+def test_projection_w8a8_quantizes_in_k2_at_decode(adapter, device):
+    """fp8_lora_linear W8A8: at <= k2_quant_x_tokens tokens K2 quantizes x (dispatch "lora_gemm.x_quant" = k2);
+    above, or with the knob at 0, a quantizer (or K1) does; the same bits either way."""
+    from rlfp8.kernels import knobs
+    p = _problem(5, 96, [48, 40, 40], 4, 16, device)
+    args = (p["x"], p["q"], p["sw"]) + ((p["A"], p["B"], p["meta"]) if adapter else ())
+    outs, paths = [], []
+    for limit in (16, 4, 0):
+        saved = knobs.set_knobs(k2_quant_x_tokens=limit)
+        try:
+            dispatch.reset_report()
+            outs.append(fp8_lora_linear(*args, mode="w8a8"))
+            paths.append(set(dispatch.report()["lora_gemm.x_quant"]))
+        finally:
+            knobs.restore_knobs(saved)
+    assert paths[0] == {"k2"} and paths[1] == paths[2] and paths[2] <= {"k1", "kernel"}
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

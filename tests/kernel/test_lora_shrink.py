@@ -131,3 +131,37 @@ def test_grid_is_quant_programs_then_shrink_programs():
     shrink = cfg.split_k * 3 * 3 * meta.num_active                   # split x m_tiles x L x segments
     assert kw_q["QBLOCK_M"] == 1 and kw_q["QBLOCK_K"] == 4096 and g_q == (M + shrink,)
     assert g_n == (shrink,) and kw_n["QUANT"] == 0
+
+
+@pytest.mark.parametrize("rank_block", [16, 32, 64])
+def test_decode_rank_blocks_keep_h_and_multiply_the_programs(rank_block, device):
+    """Knob k1_decode_rank_block: at <= 16 tokens a tile's ranks go to rank_block-wide programs (more programs,
+    each its own h columns, split-K partials reduced per block); h is the same as with the whole rank in one
+    program; above 16 tokens the knob does nothing. Rank 48 (BLOCK_R 64) leaves the last 16-block empty."""
+    from rlfp8.kernels import knobs
+    M, K, S, r = 11, 1024, 3, 48
+    x = torch.randn(M, K, dtype=torch.bfloat16, device=device)
+    A = [(torch.randn(S, r, K, device=device) * 0.1).to(torch.bfloat16) for _ in range(2)]
+    meta = build_lora_meta(torch.arange(M, device=device) % (S + 1) - 1, S)
+    cfg = ShrinkConfig(16, 128, 4)
+    outs, grids = [], []
+    for rb in (0, rank_block):
+        saved = knobs.set_knobs(k1_decode_rank_block=rb)
+        try:
+            dispatch.reset_report()
+            outs.append(lora_shrink_triton(x, A, meta, config=cfg).h)
+            assert dispatch.report()["lora_shrink.rank_blocks"] == {str(64 // (rb or 64)): 1}
+            with tu.collect_launches() as rec:
+                lora_shrink_triton(x, A, meta, config=cfg)
+                lora_shrink_triton(torch.empty(17, K, dtype=torch.bfloat16, device=device), A,
+                                   build_lora_meta(torch.zeros(17, dtype=torch.long, device=device), S), config=cfg)
+            grids.append([(g, kw["BR_BLOCK"]) for _, g, _, kw in rec])
+        finally:
+            knobs.restore_knobs(saved)
+    assert torch.equal(outs[0], outs[1])
+    blocks = 64 // rank_block
+    assert grids[1][0] == ((grids[0][0][0][0] * blocks,), rank_block) and grids[0][0][1] == 64
+    assert grids[1][1] == grids[0][1]                               # 17 tokens: the whole rank per program
+    has = meta.token_lora_mapping >= 0
+    ref64 = shrink_fp64(x.cpu(), [a.cpu() for a in A], meta.token_lora_mapping.cpu())
+    assert rel_err(outs[1][:, has], ref64[:, has.cpu()]) < 1e-5

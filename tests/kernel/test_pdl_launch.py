@@ -82,28 +82,34 @@ def test_choose_launch_follows_the_knob_and_records(monkeypatch, capability, mod
     assert dispatch.report() == {"lora_gemm.launch": {expect: 1}}
 
 
-@pytest.mark.parametrize("mode, w8a8_quant", [("w8a16", "separate"), ("w8a8", "separate"), ("w8a8", "fused")])
-def test_projection_launches_k2_as_k1s_dependent(monkeypatch, mode, w8a8_quant):
+@pytest.mark.parametrize("mode, w8a8_quant, in_k2", [("w8a16", "separate", 16), ("w8a8", "separate", 0),
+                                                     ("w8a8", "fused", 0), ("w8a8", "fused", 16)])
+def test_projection_launches_k2_as_k1s_dependent(monkeypatch, mode, w8a8_quant, in_k2):
     """Where PDL resolves on: K1 triggers its dependent and is itself a plain launch; K2 is launched with
     launch_pdl and waits before its epilogue, except W8A8 with pdl_w8a8_quant=fused, where x_q is K1's: then
     before its main loop, after the L2 prefetch of its weight rows. W8A8 separate quantizes x first, in stream
-    order, and K1 only shrinks."""
+    order, and K1 only shrinks. W8A8 at <= k2_quant_x_tokens tokens (5 here) overrides both: K2 quantizes x
+    itself, K1 only shrinks, K2 waits before its epilogue, and no quantizer runs."""
     x, q, sw, A, B, _, meta = _problem()
     monkeypatch.setattr(dispatch, "pdl_unavailable", lambda device: None)
-    knobs.set_knobs(pdl_w8a8_quant=w8a8_quant)
+    knobs.set_knobs(pdl_w8a8_quant=w8a8_quant, k2_quant_x_tokens=in_k2)
     with dispatch.use_backend("triton"), tu.collect_launches() as rec:
         fp8_lora_linear(x, q, sw, A, B, meta, mode=mode)
-    apart = mode == "w8a8" and w8a8_quant == "separate"
+    k2_quant = mode == "w8a8" and in_k2 >= x.shape[0]
+    apart = mode == "w8a8" and w8a8_quant == "separate" and not k2_quant
     if apart:
         (kq, _, _, kwq), *rec = rec
         assert kq.fn.__name__ == "_quant_rows_kernel" and "launch_pdl" not in kwq and not kwq.get("USE_PDL")
     (k1, _, _, kw1), (k2, _, _, kw2) = rec
     assert k1.fn.__name__ == "_lora_shrink_kernel" and kw1["USE_PDL"] and "launch_pdl" not in kw1
-    assert kw1["QUANT"] == (1 if mode == "w8a8" and not apart else 0) and kw1["SPLIT_K"] == 2
+    k1_quant = mode == "w8a8" and not apart and not k2_quant
+    assert kw1["QUANT"] == (1 if k1_quant else 0) and kw1["SPLIT_K"] == 2
     assert k2.fn.__name__ == "_lora_gemm_kernel" and kw2["USE_PDL"] and kw2["launch_pdl"] is True
-    assert kw2["PDL_WAIT_EARLY"] == (2 if mode == "w8a8" and not apart else False)
+    assert kw2["PDL_WAIT_EARLY"] == (2 if k1_quant else False) and kw2["QUANT_X"] == (1 if k2_quant else 0)
     assert dispatch.report()["lora_gemm.launch"] == {"pdl": 1}
     assert dispatch.report()["lora_gemm.pdl_wait"] == {"main_loop" if kw2["PDL_WAIT_EARLY"] else "epilogue": 1}
+    if mode == "w8a8":
+        assert dispatch.report()["lora_gemm.x_quant"] == {"k2" if k2_quant else "k1" if k1_quant else "kernel": 1}
 
 
 def test_w8a8_codes_from_the_quantizer_equal_k1s():
@@ -176,3 +182,42 @@ def test_timeline_benchmark_imports_and_derives_the_verdict():
     assert d["k1_us"] == 1.0 and d["pair_us"] == 6.0 and d["prog0_wait_us"] == 1.0
     stamps["k2_wait_enter"] = stamps["k2_wait_exit"] = bench._UNSET      # the stream arm: no wait stamped
     assert bench._durations(stamps, "pdl")["prog0_wait_us"] is None
+
+
+@pytest.mark.parametrize("no_lora", [False, True])
+def test_w8a8_without_an_adapter_chains_k2_to_the_quantizer(monkeypatch, no_lora):
+    """Knob pdl_quant_k2, PDL resolved on: W8A8 without an adapter (no A, or metadata with no adapter token) runs the
+    quantizer, which triggers its dependent, then K2 launched with launch_pdl, prefetching its weight rows and
+    waiting before its main loop; without the knob (or with an adapter token) nothing changes."""
+    x, q, sw, A, B, _, _ = _problem()
+    monkeypatch.setattr(dispatch, "pdl_unavailable", lambda device: None)
+    none = build_lora_meta(torch.full((x.shape[0],), -1), 2)
+    args = (A, B, none) if no_lora else ()
+    for chain in (True, False):
+        knobs.set_knobs(pdl_quant_k2=chain)
+        dispatch.reset_report()
+        with dispatch.use_backend("triton"), tu.collect_launches() as rec:
+            fp8_lora_linear(x, q, sw, *args, mode="w8a8")
+        (kq, _, _, kwq), (k2, _, _, kw2) = rec
+        assert kq.fn.__name__ == "_quant_rows_kernel" and k2.fn.__name__ == "_lora_gemm_kernel"
+        assert kwq["USE_PDL"] is chain and "launch_pdl" not in kwq
+        assert kw2["USE_PDL"] is chain and kw2.get("launch_pdl", False) is chain and not kw2["HAS_LORA"]
+        assert dispatch.report()["lora_gemm.launch"] == {"pdl" if chain else "stream": 1}
+        if chain:       # (without USE_PDL the kernel never reads PDL_WAIT_EARLY)
+            assert kw2["PDL_WAIT_EARLY"] == 2 and dispatch.report()["lora_gemm.pdl_wait"] == {"main_loop": 1}
+    knobs.set_knobs(pdl_quant_k2=True)              # W8A16 has no quantizer: stream order as before
+    dispatch.reset_report()
+    with dispatch.use_backend("triton"), tu.collect_launches() as rec:
+        fp8_lora_linear(x, q, sw, *args, mode="w8a16")
+    assert len(rec) == 1 and not rec[0][3]["USE_PDL"]
+
+
+def test_quantizer_chain_outputs_equal_stream_order():
+    """Under the interpreter PDL cannot run, so the knob leaves the path as it was: same outputs, recorded stream."""
+    x, q, sw, *_ = _problem()
+    knobs.set_knobs(pdl_quant_k2=True)
+    with dispatch.use_backend("triton"):
+        y = fp8_lora_linear(x, q, sw, mode="w8a8")
+    assert dispatch.report()["lora_gemm.launch"] == {"stream": 1}
+    xq, xs = fp8.quantize_activation_ref(x)
+    assert rel_err(y.float(), gemm_fp64(xq, q, sw, x_scale=xs)) < 1e-2

@@ -21,6 +21,10 @@ def test_set_knobs_validates_names_and_values():
         knobs.set_knobs(gemm_rs=0)
     with pytest.raises(ValueError, match="fp8_precise_acc=-4"):
         knobs.set_knobs(fp8_precise_acc=-4)
+    with pytest.raises(ValueError, match=r"k2_quant_x_tokens=-1.*int >= 0"):
+        knobs.set_knobs(k2_quant_x_tokens=-1)
+    with pytest.raises(ValueError, match=r"k2_quant_x_tokens=True"):
+        knobs.set_knobs(k2_quant_x_tokens=True)
     assert knobs.knobs() == knobs.KernelKnobs()          # nothing changed by the rejected calls
 
 
@@ -42,6 +46,9 @@ def test_env_parsing_names_the_variable():
         knobs._env_overrides({"RLFP8_W8A16_WIDEN": "fast"})
     with pytest.raises(ValueError, match="RLFP8_FP8_PRECISE_ACC='many'"):
         knobs._env_overrides({"RLFP8_FP8_PRECISE_ACC": "many"})
+    assert knobs._env_overrides({"RLFP8_K2_QUANT_X_TOKENS": "0"}) == {"k2_quant_x_tokens": 0}
+    with pytest.raises(ValueError, match="RLFP8_K2_QUANT_X_TOKENS='all'"):
+        knobs._env_overrides({"RLFP8_K2_QUANT_X_TOKENS": "all"})
     assert set(knobs.ENV_VARS.values()) == {f for f in knobs._NAMES}    # every knob has its variable
 
 
