@@ -23,8 +23,9 @@
 #            (issue 14's acceptance lines; each run sized and scheduled by the script's plan and --budget-s)
 #   decode_tune  set-up, then the W8A8 decode keys retuned (bench/kernel_bench.py --tune, TUNE_KEYS / TUNE_S) and the
 #            layer/GEMM rows without training rows, in one call; the table to $OUT/r
-#   knob_ab  bench/lab/projection_knob_ab.py for the decode-path knobs (k1_decode_rank_block, pdl_quant_k2,
-#            k2_quant_x_tokens): each knob's arms as paired CUDA graphs on the engine projection, bits compared
+#   knob_ab  bench/lab/projection_knob_ab.py for the decode-path knobs (k1_decode_rank_block, k1_mask_x_rows,
+#            pdl_quant_k2, k2_quant_x_tokens): each knob's arms as paired CUDA graphs on the engine projection, bits
+#            compared
 #   recompute  bench/lab/recompute_cost.py: the FP8 trainer alone on RC_LAYERS (16) Qwen3-32B layers, 8 x 4k rows,
 #            every layer checkpointed vs trainer.gradient_checkpointing=auto (~2 min); $OUT/r/recompute_cost_h200.json
 #   placements_8b   one call: the same at the Qwen3-8B shape, 1k-token rollouts, all five configurations
@@ -203,13 +204,16 @@ decode_tune)  # one call: set-up, then the W8A8 decode keys (TUNE_KEYS, default 
         | tee "$OUT/kernels_decode.log" | grep -v "^\[.*tune: " | tail -45
     cp "rlfp8/kernels/tuned/$slug.json" "$OUT/r/"
     ;;
-knob_ab)  # ~3 min: A/B of the decode-path knobs on the engine projection (bench/lab/projection_knob_ab.py: paired
+knob_ab)  # ~5 min: A/B of the decode-path knobs on the engine projection (bench/lab/projection_knob_ab.py: paired
           # CUDA graphs, bits compared), one file per knob in $OUT/r (KNOB_AB: "a|b|modes;..." to choose others)
     mkdir -p "$OUT/r"
-    IFS=';' read -ra abs <<< "${KNOB_AB:-k1_decode_rank_block=0|k1_decode_rank_block=16|w8a8,w8a16;pdl_quant_k2=false|pdl_quant_k2=true|w8a8;k2_quant_x_tokens=0|k2_quant_x_tokens=16|w8a8}"
+    d="k1_decode_rank_block=0|k1_decode_rank_block=16|w8a8,w8a16;k1_mask_x_rows=false|k1_mask_x_rows=true|w8a8,w8a16"
+    d="$d;k1_decode_rank_block=0|k1_decode_rank_block=16,k1_mask_x_rows=true|w8a8,w8a16"
+    d="$d;pdl_quant_k2=false|pdl_quant_k2=true|w8a8;k2_quant_x_tokens=0|k2_quant_x_tokens=16|w8a8"
+    IFS=';' read -ra abs <<< "${KNOB_AB:-$d}"
     for ab in "${abs[@]}"; do
-        IFS='|' read -r a b modes <<< "$ab"; name=${b//=/_}
-        timeout 200 $PY bench/lab/projection_knob_ab.py --a "$a" --b "$b" --modes "$modes" \
+        IFS='|' read -r a b modes <<< "$ab"; name=${b//=/_}; name=${name//,/_and_}
+        timeout 110 $PY bench/lab/projection_knob_ab.py --a "$a" --b "$b" --modes "$modes" \
             --out "$OUT/r/knob_ab_${name}_h200.json" > "$OUT/knob_ab_$name.log" 2>&1; echo "== $b rc=$?"
         grep "layer {" "$OUT/knob_ab_$name.log" | cut -c1-170
     done

@@ -69,6 +69,9 @@ class KernelKnobs:
     # times the programs (more in flight beside K2's main loop under PDL); 0 = the whole rank up to 128. Same bits
     # (each h column's sum is its own); dispatch records "lora_shrink.rank_blocks"
     k1_decode_rank_block: int = 0
+    # K1 at decode sizes (<= 16 tokens): a tile's padding rows (past its adapter's segment: at batch 1, 15 of 16)
+    # load no x, as K2's k2_mask_x_rows; False = they re-read a valid row. Same bits (their h is never stored)
+    k1_mask_x_rows: bool = False
     # K1/K2 launch configs whose reductions over K follow one schedule per weight shape, whatever the token
     # count (gemm_configs.reduction_schedule): "auto" = for the W8A16 calls (the matched engine and the FP8
     # trainer's forward), "on" = W8A8 too, "off" = the tuned per-token-count configs everywhere
@@ -96,6 +99,7 @@ ENV_VARS = {
     "RLFP8_PDL_QUANT_K2": "pdl_quant_k2",
     "RLFP8_K2_QUANT_X_TOKENS": "k2_quant_x_tokens",
     "RLFP8_K1_DECODE_RANK_BLOCK": "k1_decode_rank_block",
+    "RLFP8_K1_MASK_X_ROWS": "k1_mask_x_rows",
     "RLFP8_BATCH_INVARIANT": "batch_invariant",
     "RLFP8_HOST_FAST": "host_fast",
 }
@@ -103,7 +107,8 @@ ENV_VARS_BY_KNOB = {knob: var for var, knob in ENV_VARS.items()}
 _NAMES = tuple(f.name for f in dataclasses.fields(KernelKnobs))
 _CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "pdl": PDL_MODES, "pdl_w8a8_quant": PDL_W8A8_QUANT,
             "batch_invariant": BATCH_INVARIANT}
-_FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "k2_mask_x_rows", "host_fast", "tuned_nearest", "pdl_quant_k2")
+_FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "k2_mask_x_rows", "host_fast", "tuned_nearest", "pdl_quant_k2",
+          "k1_mask_x_rows")
 _COUNTS = ("k2_quant_x_tokens",)
 
 

@@ -132,6 +132,8 @@ def _lora_shrink_kernel(
     N_SLICES: tl.constexpr, ALL_SLOT0: tl.constexpr, QUANT: tl.constexpr, QBLOCK_M: tl.constexpr,
     QBLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, RED_UNROLL: tl.constexpr, USE_PDL: tl.constexpr,
     BR_BLOCK: tl.constexpr,     # ranks per program (shrink_rank_block): BLOCK_R // BR_BLOCK programs per tile
+    MASK_ROWS: tl.constexpr,    # a tile's padding rows (past its segment) load no x (knob k1_mask_x_rows); else
+                                # they re-read a valid row (their h is never stored either way)
 ):
     # 1-D grid: [n_quant quantization programs (W8A8 only)] + [SPLIT_K x m_tiles x N_SLICES x segments shrink
     # programs], split index fastest.
@@ -199,11 +201,17 @@ def _lora_shrink_kernel(
         acc = tl.zeros((BLOCK_M, BR_BLOCK), dtype=tl.float32)
         for k in range(k_lo, k_hi, BLOCK_K):
             if EVEN_K:
-                xt = tl.load(x_ptrs)
+                if MASK_ROWS:
+                    xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+                else:
+                    xt = tl.load(x_ptrs)
                 at = tl.load(a_ptrs, mask=r_ok[:, None], other=0.0)
             else:
                 k_ok = (k + offs_k) < K
-                xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+                if MASK_ROWS:
+                    xt = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                else:
+                    xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
                 at = tl.load(a_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(xt, tl.trans(at), acc)                                                # [BM, BR]
             x_ptrs += BLOCK_K * stride_xk
@@ -311,6 +319,7 @@ def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: 
            BLOCK_M=cfg.block_m, BLOCK_R=br, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, N_SLICES=L,
            ALL_SLOT0=meta is None, QUANT=ROUNDING_CODE[quant] if quant else 0, QBLOCK_M=qbm, QBLOCK_K=qbk,
            EVEN_K=K % cfg.block_k == 0, RED_UNROLL=red_unroll, USE_PDL=use_pdl, BR_BLOCK=rb,
+           MASK_ROWS=knobs().k1_mask_x_rows and M <= 16,
            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     # K1 itself is launched in stream order (it reads x at once and has no gdc_wait); use_pdl only makes it
     # trigger its dependent K2. The workspace is returned so that the caller keeps it alive until K2 is

@@ -742,15 +742,16 @@ def test_w8a8_quantize_x_in_k2_same_bits(shape, M):
 @pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_k1_decode_rank_blocks_same_bits(shape, mode):
-    """Knob k1_decode_rank_block (16 / 32 ranks per K1 program at <= 16 tokens): the projection's output and h are
-    the same bits as with the whole rank in one program, one adapter and four, under PDL where it resolves on."""
+    """Knobs k1_decode_rank_block (16 / 32 ranks per K1 program at <= 16 tokens) and k1_mask_x_rows (K1's padding
+    rows load no x): the projection's output and h are the same bits as with the whole rank in one program and
+    unmasked loads, one adapter and four, under PDL where it resolves on."""
     for M in (1, 4, 16):
         x, q, sw, A, B, slots, meta, bias = _case_inputs(shape, M, 64, 4)
         one = build_lora_meta(torch.zeros(M, dtype=torch.long, device=DEV), 4)
         for m in (one, meta):
             outs, hs = [], []
-            for rb in (0, 16, 32):
-                saved = set_knobs(k1_decode_rank_block=rb)
+            for rb, masked in ((0, False), (16, False), (32, False), (0, True), (16, True)):
+                saved = set_knobs(k1_decode_rank_block=rb, k1_mask_x_rows=masked)
                 try:
                     outs.append(fp8_lora_linear(x, q, sw, A, B, m, mode=mode, bias=bias))
                     hs.append(lora_shrink_triton(x, A, m).h)

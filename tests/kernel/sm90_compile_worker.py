@@ -161,11 +161,15 @@ def _rank_and_pdl_launches(r: int = 64) -> None:
         # knob pdl_quant_k2: W8A8 without an adapter, K2 as the quantizer's dependent (L2 prefetch, early wait)
         xq, xs = quantize_activation_triton(x, "div", use_pdl=True)
         lora_gemm_triton(xq, q, sw, x_scale=xs, use_pdl=True)
-        # knob k1_decode_rank_block: K1 in 16-rank programs at decode sizes, with and without PDL
+        # knobs k1_decode_rank_block / k1_mask_x_rows: K1 in 16-rank programs at decode sizes (with and without PDL),
+        # its padding rows' x loads masked
         saved = set_knobs(k1_decode_rank_block=16)
         try:
             lora_shrink_triton(x, A, meta, out=torch.empty(3, M, r), use_pdl=True)
+            set_knobs(k1_mask_x_rows=True)
             lora_shrink_triton(x, A, meta, quant="div", out=torch.empty(3, M, r))
+            set_knobs(k1_decode_rank_block=0)
+            lora_shrink_triton(x, A, meta, out=torch.empty(3, M, r), use_pdl=True)
         finally:
             restore_knobs(saved)
     # the engine projection's decode pairs (K1 -> K2 by PDL) in both modes: qkv (3 slices), split-K shrinks (the

@@ -108,6 +108,7 @@ def test_no_register_spills_where_occupancy_matters(compiled):
     if not rows:
         pytest.skip("cuobjdump not available")
     k1 = [r for r in rows if r["name"] == "_lora_shrink_kernel"]
+    assert any(r["constexprs"]["MASK_ROWS"] for r in k1) and any(r["constexprs"]["BR_BLOCK"] == 16 for r in k1)
     base = [r for r in rows if r["name"] == "_lora_gemm_kernel" and not r["constexprs"]["HAS_LORA"]]
     small = [r for r in rows if r["name"] == "_lora_gemm_kernel" and r["constexprs"]["BLOCK_M"] <= 32]
     prep = [r for r in rows if r["name"] == "_dy_prep_kernel"]

@@ -165,3 +165,28 @@ def test_decode_rank_blocks_keep_h_and_multiply_the_programs(rank_block, device)
     has = meta.token_lora_mapping >= 0
     ref64 = shrink_fp64(x.cpu(), [a.cpu() for a in A], meta.token_lora_mapping.cpu())
     assert rel_err(outs[1][:, has], ref64[:, has.cpu()]) < 1e-5
+
+
+def test_masked_padding_rows_keep_h(device):
+    """Knob k1_mask_x_rows: at <= 16 tokens a tile's rows past its segment load no x (MASK_ROWS); h is the same,
+    with metadata (segments of 1-3 tokens in 16-row tiles) and without; above 16 tokens the knob does nothing."""
+    from rlfp8.kernels import knobs
+    M, K, S, r = 7, 640, 3, 16
+    x = torch.randn(M, K, dtype=torch.bfloat16, device=device)
+    A = [(torch.randn(S, r, K, device=device) * 0.1).to(torch.bfloat16) for _ in range(3)]
+    meta = build_lora_meta(torch.arange(M, device=device) % (S + 1) - 1, S)
+    outs = {}
+    for masked in (False, True):
+        saved = knobs.set_knobs(k1_mask_x_rows=masked)
+        try:
+            outs[masked] = [lora_shrink_triton(x, A, m, quant=qt, config=ShrinkConfig(16, 128, 2)).h
+                            for m in (meta, None) for qt in (None, "div")]
+            with tu.collect_launches() as rec:
+                lora_shrink_triton(x, A, meta)
+                lora_shrink_triton(torch.empty(17, K, dtype=torch.bfloat16, device=device), A, None)
+            assert [kw["MASK_ROWS"] for *_, kw in rec] == [masked, False]
+        finally:
+            knobs.restore_knobs(saved)
+    has = meta.token_lora_mapping >= 0
+    for a, b, m in zip(outs[False], outs[True], (meta, meta, None, None)):
+        assert torch.equal(a[:, has], b[:, has]) if m is not None else torch.equal(a, b)
