@@ -24,8 +24,8 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
     With Triton kernels K2 is launched as K1's programmatic dependent where the knob `pdl` allows it (same
     bits); dispatch records "lora_gemm.launch" = pdl | stream.
     W8A8: where x is quantized (same codes everywhere; dispatch records "lora_gemm.x_quant"): "k2" = inside K2
-    at <= k2_quant_x_tokens tokens (one launch fewer: at decode a launch costs about what the quantization
-    does), "k1" = beside K1's shrink, "kernel" = by its own kernel before K1 (or before K2 without an adapter:
+    at <= k2_quant_x_tokens tokens (no quantizer launch; the knob is 0 by default, since the H200 measured it
+    slower), "k1" = beside K1's shrink, "kernel" = by its own kernel before K1 (or before K2 without an adapter:
     with the knob pdl_quant_k2, K2 is then the quantizer's programmatic dependent)."""
     if mode not in ("w8a16", "w8a8"):
         raise ValueError(f"rlfp8.kernels.fp8_lora_linear: mode {mode!r}: allowed 'w8a16', 'w8a8'")
