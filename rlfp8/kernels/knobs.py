@@ -17,6 +17,7 @@ W8A16_WIDENINGS = ("bits", "cvt")
 PDL_MODES = ("auto", "on", "off")
 PDL_W8A8_QUANT = ("separate", "fused")
 BATCH_INVARIANT = ("auto", "on", "off")
+K1_DECODE_RANK_BLOCKS = (0, 16, 32, 64)
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,11 @@ ENV_VARS = {
 ENV_VARS_BY_KNOB = {knob: var for var, knob in ENV_VARS.items()}
 _NAMES = tuple(f.name for f in dataclasses.fields(KernelKnobs))
 _CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "pdl": PDL_MODES, "pdl_w8a8_quant": PDL_W8A8_QUANT,
-            "batch_invariant": BATCH_INVARIANT}
+            "batch_invariant": BATCH_INVARIANT, "k1_decode_rank_block": K1_DECODE_RANK_BLOCKS}
 _FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "k2_mask_x_rows", "host_fast", "tuned_nearest", "pdl_quant_k2",
           "k1_mask_x_rows")
 _COUNTS = ("k2_quant_x_tokens",)
+_INTS = _COUNTS + ("k1_decode_rank_block",)       # read from the environment as ints
 
 
 def _validated(name: str, value, source: str):
@@ -128,9 +130,6 @@ def _validated(name: str, value, source: str):
     elif name in _COUNTS:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{source}={value!r}: allowed values are an int >= 0 (tokens)")
-    elif name == "k1_decode_rank_block":
-        if value not in (0, 16, 32, 64):
-            raise ValueError(f"{source}={value!r}: allowed values are 0, 16, 32, 64 (ranks per program)")
     elif value is not None and not isinstance(value, str):
         raise ValueError(f"{source}={value!r}: allowed values are null or a GPU name (string)")
     return value
@@ -145,11 +144,11 @@ def _from_env(name: str, text: str):
             return int(text) if text else None
         except ValueError:
             raise ValueError(f"{ENV_VARS_BY_KNOB[name]}={text!r}: allowed values are unset or a positive int")
-    if name in _COUNTS or name == "k1_decode_rank_block":
+    if name in _INTS:
         try:
             return int(text)
         except ValueError:
-            raise ValueError(f"{ENV_VARS_BY_KNOB[name]}={text!r}: allowed values are an int >= 0 (tokens)")
+            raise ValueError(f"{ENV_VARS_BY_KNOB[name]}={text!r}: allowed values are ints")
     return text
 
 

@@ -39,27 +39,22 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
     adapter_tokens = A is not None and not (meta is not None and meta.no_lora)
     quant_in_k2 = quant is not None and x.shape[0] <= knobs().k2_quant_x_tokens
     out_dtype = out_dtype or (x.dtype if x.dtype != torch.float32 else torch.bfloat16)
+    # no adapter token, so no K1 to overlap (knob pdl_quant_k2): K2 is the quantizer's programmatic dependent
+    # instead, its launch and the L2 prefetch of its weight rows overlapping the quantizer
     chain_quant = not adapter_tokens and quant is not None and not quant_in_k2 and knobs().pdl_quant_k2
     use_pdl = _use_pdl(x, q, adapter_tokens or chain_quant)
-    if chain_quant and use_pdl:
-        # no K1 to overlap: K2 is the quantizer's programmatic dependent instead, its launch and the L2 prefetch
-        # of its weight rows overlapping the quantizer (it waits before its main loop reads x_q)
-        dispatch.record("lora_gemm.x_quant", "kernel")
-        dispatch.record("lora_gemm.pdl_wait", "main_loop")
-        x_q, x_scale = quantize_activation(x, quant, use_pdl=True)
-        return lora_gemm(x_q, q, w_scale, x_scale=x_scale, meta=meta if A is not None else None, bias=bias,
-                         use_pdl=True, out_dtype=out_dtype)
     # K1 quantizes x beside its shrink, except under PDL with pdl_w8a8_quant=separate: then the quantizer runs
     # first, in stream order (the same codes), and K2's main loop needs nothing of K1's (it waits only before the
     # epilogue reads h); without an adapter there is no K1
-    quant_in_k1 = (quant is not None and A is not None and not quant_in_k2
+    quant_in_k1 = (quant is not None and A is not None and not quant_in_k2 and not chain_quant
                    and not (use_pdl and knobs().pdl_w8a8_quant == "separate"))
+    x_from_primary = quant_in_k1 or chain_quant       # K2 then waits before its main loop reads x_q
     if quant is not None:
         dispatch.record("lora_gemm.x_quant", "k2" if quant_in_k2 else "k1" if quant_in_k1 else "kernel")
     if quant is not None and not quant_in_k1 and not quant_in_k2:
-        x_in, x_scale = quantize_activation(x, quant)
+        x_in, x_scale = quantize_activation(x, quant, use_pdl=use_pdl and chain_quant)
     if use_pdl:
-        dispatch.record("lora_gemm.pdl_wait", "main_loop" if quant_in_k1 else "epilogue")
+        dispatch.record("lora_gemm.pdl_wait", "main_loop" if x_from_primary else "epilogue")
     if A is not None:
         if shrink_out is None:
             L = len(A) if isinstance(A, (list, tuple)) else 1
@@ -68,11 +63,11 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
         # `so` stays referenced until K2 is enqueued: with PDL, K2 runs beside K1, so K1's split-K workspace
         # must not go back to the allocator (and become K2's buffers) before then
         so: ShrinkOut = lora_shrink(x, A, meta, quant=quant if quant_in_k1 else None, out=shrink_out,
-                                    use_pdl=use_pdl)
+                                    use_pdl=use_pdl and adapter_tokens)
         h = so.h
         if quant_in_k1:
             x_in, x_scale = so.x_q, so.x_scale
-    gemm_kw = {"x_from_primary": quant_in_k1} if use_pdl else {}
+    gemm_kw = {"x_from_primary": x_from_primary} if use_pdl else {}
     if quant_in_k2:
         gemm_kw["quantize_x"] = quant
     y = lora_gemm(x_in, q, w_scale, x_scale=x_scale, h=h, B=B, meta=meta, g=g, bias=bias, use_pdl=use_pdl,
