@@ -91,10 +91,11 @@ serve)     # SERVE_GRAPHS=decode: every engine with decode graphs and no torch.c
            # SERVE_PROFILE=1: also each engine's kernel-time summary of a profiled throughput run (serve.py --profile)
     mkdir -p "$OUT/r"; g=${SERVE_GRAPHS:-compiled}; f=serve_h200.json; [ "$g" = compiled ] || f=serve_${g}_h200.json
     f=${SERVE_OUT:-$f}     # SERVE_OUT=<file name>: a diagnostic run (e.g. with RLFP8_* knobs set) in its own file
-                           # SERVE_TIMEOUT (560 s): the compiled pair ours_w8a8,vllm_fp8 needs ~450 s (two ~3-min starts)
+                           # SERVE_TIMEOUT (560 s): the compiled pair ours_w8a8,vllm_fp8 needs ~450 s on the H200 (two
+                           # ~3-min starts), ~580 s on an H100 (SERVE_TPUT_RUNS=2: one steady-state run per workload)
     [ -f "$OUT/r/$f" ] || cp "bench/results/$f" "$OUT/r/" 2>/dev/null
     timeout ${SERVE_TIMEOUT:-560} $PY bench/serve.py --out "$OUT/r/$f" --graphs "$g" --engines "${ENGINES:-ours_w8a16,vllm_bf16}" \
-        ${SERVE_PROFILE:+--profile} 2>&1 | tail -40
+        --tput-runs ${SERVE_TPUT_RUNS:-3} ${SERVE_PROFILE:+--profile} 2>&1 | tail -40
     cp /tmp/rlfp8-serve/*.log "$OUT/" 2>/dev/null
     ;;
 profile)   # bench/step_profile.py on the quickstart (default config, then PROFILE_VARIANTS: "label:ov,ov;label:ov")

@@ -104,7 +104,7 @@ def kernel_summary(kernels: list[tuple[str, float, int]], wall_s: float, tokens:
 
 
 def run_engine(name: str, model_dir: str, adapter_dir: str, rank: int, out: str, graphs: str = "compiled",
-               profile: bool = False) -> None:
+               profile: bool = False, tput_runs: int = 3) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
     quant = ENGINES[name]
@@ -153,7 +153,7 @@ def run_engine(name: str, model_dir: str, adapter_dir: str, rank: int, out: str,
         lora = [loras[i % tenants] for i in range(256)] if tenants else None
         timed(prompts[:32], sp, lora[:32] if lora else None)            # warm-up (graphs, adapters loaded)
         runs = []
-        for _ in range(3):          # the first full run also pays one-time work (JIT, launch plans) at new shapes
+        for _ in range(tput_runs):  # the first full run also pays one-time work (JIT, launch plans) at new shapes
             dt, n = timed(prompts, sp, lora)
             runs.append(n / dt)
         return runs[0], statistics.median(runs[1:])
@@ -171,7 +171,7 @@ def run_engine(name: str, model_dir: str, adapter_dir: str, rank: int, out: str,
                 for e in prof.key_averages()]
         return kernel_summary([r for r in rows if r[1] > 0], dt, n)
 
-    res = {"engine": name, "quantization": quant, "graphs": graphs, "start_s": round(start_s, 1),
+    res = {"engine": name, "quantization": quant, "graphs": graphs, "start_s": round(start_s, 1), "tput_runs": tput_runs,
            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("RLFP8_")},   # knobs set for the run
            "tpot_ms": {"base": tpot(None), "lora1": tpot(loras[0])},
            "tput_tok_s": {}, "tput_cold_tok_s": {}}
@@ -232,14 +232,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="after the measurements, one more throughput run per engine (no LoRA, 32 tenants) under "
                          "the CUDA profiler: GPU time per kernel group and per token, busy fraction, top kernels")
+    ap.add_argument("--tput-runs", type=int, default=3,
+                    help="full throughput runs per workload (>= 2): the first is reported as cold, the median of the "
+                         "rest as steady state (2 fits a compiled pair, two ~3-minute starts, into one 10-minute call)")
     ap.add_argument("--one", help=argparse.SUPPRESS)           # internal: run one engine in this process
     args = ap.parse_args(argv)
+    if args.tput_runs < 2:
+        raise SystemExit(f"--tput-runs {args.tput_runs}: at least 2 (one cold run, then the steady-state ones)")
     work = Path(args.work)
     from rlfp8.models import architecture_config, random_model_folder
     model_dir = random_model_folder("qwen3_8b", work / "qwen3_8b")
     if args.one:
         run_engine(args.one, str(model_dir), str(work / "adapter"), args.rank, str(work / f"{args.one}.json"),
-                   args.graphs, args.profile)
+                   args.graphs, args.profile, args.tput_runs)
         return 0
     out = Path(args.out)
     result = json.loads(out.read_text()) if out.exists() else {"engines": {}, "graphs": args.graphs}
@@ -254,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     result.update({**run, "graphs": args.graphs})
     for name in args.engines.split(","):
         p = subprocess.run([sys.executable, __file__, "--out", args.out, "--one", name, "--rank", str(args.rank),
-                            "--work", str(work), "--graphs", args.graphs] + ["--profile"] * args.profile,
+                            "--work", str(work), "--graphs", args.graphs, "--tput-runs", str(args.tput_runs)]
+                           + ["--profile"] * args.profile,
                            capture_output=True, text=True)
         (work / f"{name}.log").write_text(p.stdout + "\n---- stderr ----\n" + p.stderr)
         part = work / f"{name}.json"

@@ -59,8 +59,9 @@ class KernelKnobs:
     pdl_w8a8_quant: str = "separate"
     # W8A8 without an adapter (or no token with one) under PDL: K2 launched as the activation quantizer's
     # programmatic dependent (its launch and the L2 prefetch of its weight rows overlap the quantizer; it waits
-    # before its main loop); False = quantizer, then K2 in stream order. Same bits
-    pdl_quant_k2: bool = False
+    # before its main loop); False = quantizer, then K2 in stream order. Same bits; on by default since the A/B of
+    # session 17 (the W8A8 layer without an adapter 0.96-0.97x, bench/README.md)
+    pdl_quant_k2: bool = True
     # W8A8 calls of at most this many tokens (decode): K2 quantizes x per token itself (no quantizer launch; with
     # an adapter K1 only shrinks and, under PDL, K2's main loop overlaps it); 0 = never (the default: on the H200
     # each projection took 1.4-2.8x as long, bench/README.md). Same codes, same bits; dispatch records
@@ -73,6 +74,12 @@ class KernelKnobs:
     # K1 at decode sizes (<= 16 tokens): a tile's padding rows (past its adapter's segment: at batch 1, 15 of 16)
     # load no x, as K2's k2_mask_x_rows; False = they re-read a valid row. Same bits (their h is never stored)
     k1_mask_x_rows: bool = False
+    # the W8A8 engine under torch.compile (vLLM's compiled mode): x quantized per token by the reference formula in
+    # the traced graph, where Inductor fuses it into the kernel that made x (the norm, the activation), and the
+    # projection op takes the codes (dispatch "lora_gemm.x_quant" = graph); False = the quantizer kernel inside the
+    # op, as in eager and decode-graph engines. Inductor's division may round differently from the quantizer's
+    # IEEE division in the last step, so codes can differ by one FP8 step where a value sits on a rounding boundary
+    engine_graph_quant: bool = True
     # K1/K2 launch configs whose reductions over K follow one schedule per weight shape, whatever the token
     # count (gemm_configs.reduction_schedule): "auto" = for the W8A16 calls (the matched engine and the FP8
     # trainer's forward), "on" = W8A8 too, "off" = the tuned per-token-count configs everywhere
@@ -101,6 +108,7 @@ ENV_VARS = {
     "RLFP8_K2_QUANT_X_TOKENS": "k2_quant_x_tokens",
     "RLFP8_K1_DECODE_RANK_BLOCK": "k1_decode_rank_block",
     "RLFP8_K1_MASK_X_ROWS": "k1_mask_x_rows",
+    "RLFP8_ENGINE_GRAPH_QUANT": "engine_graph_quant",
     "RLFP8_BATCH_INVARIANT": "batch_invariant",
     "RLFP8_HOST_FAST": "host_fast",
 }
@@ -109,7 +117,7 @@ _NAMES = tuple(f.name for f in dataclasses.fields(KernelKnobs))
 _CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "pdl": PDL_MODES, "pdl_w8a8_quant": PDL_W8A8_QUANT,
             "batch_invariant": BATCH_INVARIANT, "k1_decode_rank_block": K1_DECODE_RANK_BLOCKS}
 _FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "k2_mask_x_rows", "host_fast", "tuned_nearest", "pdl_quant_k2",
-          "k1_mask_x_rows")
+          "k1_mask_x_rows", "engine_graph_quant")
 _COUNTS = ("k2_quant_x_tokens",)
 _INTS = _COUNTS + ("k1_decode_rank_block",)       # read from the environment as ints
 

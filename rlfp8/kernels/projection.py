@@ -14,7 +14,8 @@ from .metadata import LoRAMeta
 
 def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=None, B=None,
                     meta: LoRAMeta | None = None, *, mode: str = "w8a16", rounding: str = "div", g=None,
-                    bias=None, out_dtype=None, shrink_out: torch.Tensor | None = None) -> torch.Tensor:
+                    bias=None, out_dtype=None, shrink_out: torch.Tensor | None = None,
+                    x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One projection of the engine (or, with meta=None and one adapter, of the trainer's forward):
     x [T, K] bf16; q [N, K] e4m3 + w_scale [N]; A, B stacked slots (one tensor or per-slice tuples, vLLM
     layouts accepted; None = base only); meta from build_lora_meta or the engine's view of vLLM's metadata
@@ -26,7 +27,10 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
     W8A8: where x is quantized (same codes everywhere; dispatch records "lora_gemm.x_quant"): "k2" = inside K2
     at <= k2_quant_x_tokens tokens (no quantizer launch; the knob is 0 by default, since the H200 measured it
     slower), "k1" = beside K1's shrink, "kernel" = by its own kernel before K1 (or before K2 without an adapter:
-    with the knob pdl_quant_k2, K2 is then the quantizer's programmatic dependent)."""
+    with the knob pdl_quant_k2, K2 is then the quantizer's programmatic dependent), "graph" = by the caller, who
+    passes x_quant = (codes [T, K] e4m3, scales [T, 1] fp32) beside x (the engine's compiled graph, where Inductor
+    fuses the quantization into the kernel that produced x; K1 then reads x only for its shrink, and K2's main loop
+    needs nothing of K1's)."""
     if mode not in ("w8a16", "w8a8"):
         raise ValueError(f"rlfp8.kernels.fp8_lora_linear: mode {mode!r}: allowed 'w8a16', 'w8a8'")
     if (A is None) != (B is None):
@@ -34,24 +38,31 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
     quant = rounding if mode == "w8a8" else None
     if quant is not None and quant not in ACT_ROUNDING:
         raise ValueError(f"rlfp8.kernels.fp8_lora_linear: rounding {rounding!r}: allowed {ACT_ROUNDING}")
+    if x_quant is not None:
+        _check_x_quant(x, x_quant, mode)
     h = None
     x_in, x_scale = x, None
     adapter_tokens = A is not None and not (meta is not None and meta.no_lora)
-    quant_in_k2 = quant is not None and x.shape[0] <= knobs().k2_quant_x_tokens
+    quant_given = x_quant is not None
+    quant_in_k2 = quant is not None and not quant_given and x.shape[0] <= knobs().k2_quant_x_tokens
     out_dtype = out_dtype or (x.dtype if x.dtype != torch.float32 else torch.bfloat16)
     # no adapter token, so no K1 to overlap (knob pdl_quant_k2): K2 is the quantizer's programmatic dependent
     # instead, its launch and the L2 prefetch of its weight rows overlapping the quantizer
-    chain_quant = not adapter_tokens and quant is not None and not quant_in_k2 and knobs().pdl_quant_k2
+    chain_quant = (not adapter_tokens and quant is not None and not quant_given and not quant_in_k2
+                   and knobs().pdl_quant_k2)
     use_pdl = _use_pdl(x, q, adapter_tokens or chain_quant)
     # K1 quantizes x beside its shrink, except under PDL with pdl_w8a8_quant=separate: then the quantizer runs
     # first, in stream order (the same codes), and K2's main loop needs nothing of K1's (it waits only before the
     # epilogue reads h); without an adapter there is no K1
-    quant_in_k1 = (quant is not None and A is not None and not quant_in_k2 and not chain_quant
+    quant_in_k1 = (quant is not None and A is not None and not quant_given and not quant_in_k2 and not chain_quant
                    and not (use_pdl and knobs().pdl_w8a8_quant == "separate"))
     x_from_primary = quant_in_k1 or chain_quant       # K2 then waits before its main loop reads x_q
     if quant is not None:
-        dispatch.record("lora_gemm.x_quant", "k2" if quant_in_k2 else "k1" if quant_in_k1 else "kernel")
-    if quant is not None and not quant_in_k1 and not quant_in_k2:
+        dispatch.record("lora_gemm.x_quant", "graph" if quant_given else "k2" if quant_in_k2
+                        else "k1" if quant_in_k1 else "kernel")
+    if quant_given:
+        x_in, x_scale = x_quant
+    elif quant is not None and not quant_in_k1 and not quant_in_k2:
         x_in, x_scale = quantize_activation(x, quant, use_pdl=use_pdl and chain_quant)
     if use_pdl:
         dispatch.record("lora_gemm.pdl_wait", "main_loop" if x_from_primary else "epilogue")
@@ -73,6 +84,18 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
     y = lora_gemm(x_in, q, w_scale, x_scale=x_scale, h=h, B=B, meta=meta, g=g, bias=bias, use_pdl=use_pdl,
                   out_dtype=out_dtype, **gemm_kw)
     return y
+
+
+def _check_x_quant(x: torch.Tensor, x_quant, mode: str) -> None:
+    x_q, x_s = x_quant
+    if mode != "w8a8":
+        raise ValueError(f"rlfp8.kernels.fp8_lora_linear: x_quant is for mode 'w8a8', got mode {mode!r}")
+    if x_q.shape != x.shape or x_q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"rlfp8.kernels.fp8_lora_linear: x_quant codes must be float8_e4m3fn of x's shape "
+                         f"{tuple(x.shape)}, got {x_q.dtype} {tuple(x_q.shape)}")
+    if x_s.shape != (x.shape[0], 1) or x_s.dtype != torch.float32:
+        raise ValueError(f"rlfp8.kernels.fp8_lora_linear: x_quant scales must be float32 [{x.shape[0]}, 1], "
+                         f"got {x_s.dtype} {tuple(x_s.shape)}")
 
 
 def _use_pdl(x, q, primary: bool) -> bool:

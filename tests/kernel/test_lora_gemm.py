@@ -344,3 +344,35 @@ def test_projection_w8a8_quantizes_in_k2_at_decode(adapter, device):
             knobs.restore_knobs(saved)
     assert paths[0] == {"k2"} and paths[1] == paths[2] and paths[2] <= {"k1", "kernel"}
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("adapter", [False, True])
+def test_projection_takes_codes_made_by_the_caller(adapter, device):
+    """fp8_lora_linear W8A8 with x_quant (the compiled engine's graph quantizes x, knob engine_graph_quant): the
+    op launches no quantizer (dispatch "lora_gemm.x_quant" = graph) and, given the codes its own quantizer makes,
+    returns the same bits; other codes change the output (they are what K2 reads)."""
+    p = _problem(5, 96, [48, 40, 40], 4, 16, device)
+    x = torch.randn(5, 96, dtype=torch.bfloat16, device=device)
+    args = (x, p["q"], p["sw"]) + ((p["A"], p["B"], p["meta"]) if adapter else ())
+    dispatch.reset_report()
+    own = fp8_lora_linear(*args, mode="w8a8")
+    assert set(dispatch.report()["lora_gemm.x_quant"]) <= {"k1", "kernel"}
+    dispatch.reset_report()
+    given = fp8_lora_linear(*args, mode="w8a8", x_quant=fp8.quantize_activation_ref(x, "div"))
+    assert set(dispatch.report()["lora_gemm.x_quant"]) == {"graph"}
+    assert torch.equal(own, given)
+    x_q, x_s = fp8.quantize_activation_ref(x, "div")
+    other = fp8_lora_linear(*args, mode="w8a8", x_quant=(x_q, x_s * 2))
+    assert not torch.equal(other, own)
+
+
+def test_projection_x_quant_errors(device):
+    p = _problem(5, 96, [48, 40, 40], 4, 16, device)
+    x = torch.randn(5, 96, dtype=torch.bfloat16, device=device)
+    x_q, x_s = fp8.quantize_activation_ref(x)
+    with pytest.raises(ValueError, match="x_quant is for mode 'w8a8'"):
+        fp8_lora_linear(x, p["q"], p["sw"], mode="w8a16", x_quant=(x_q, x_s))
+    with pytest.raises(ValueError, match=r"codes must be float8_e4m3fn of x's shape \(5, 96\)"):
+        fp8_lora_linear(x, p["q"], p["sw"], mode="w8a8", x_quant=(x_q[:4], x_s))
+    with pytest.raises(ValueError, match=r"scales must be float32 \[5, 1\]"):
+        fp8_lora_linear(x, p["q"], p["sw"], mode="w8a8", x_quant=(x_q, x_s[:, 0]))

@@ -126,9 +126,11 @@ def test_w8a8_codes_from_the_quantizer_equal_k1s():
 
 
 def test_without_a_shrink_k2_follows_in_stream_order(monkeypatch):
-    """No adapter, or no token with one (meta.no_lora): K1 launches no shrink that could trigger K2."""
+    """No adapter, or no token with one (meta.no_lora): K1 launches no shrink that could trigger K2 (W8A8 with the
+    knob pdl_quant_k2 off: with it on, the quantizer triggers K2: test_w8a8_without_an_adapter_chains_k2_to_the_quantizer)."""
     x, q, sw, A, B, _, _ = _problem()
     monkeypatch.setattr(dispatch, "pdl_unavailable", lambda device: None)
+    knobs.set_knobs(pdl_quant_k2=False)
     none = build_lora_meta(torch.full((x.shape[0],), -1), 2)
     with dispatch.use_backend("triton"), tu.collect_launches() as rec:
         fp8_lora_linear(x, q, sw, mode="w8a8")
