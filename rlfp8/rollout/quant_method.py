@@ -14,6 +14,10 @@ loader materialises one layer at a time, so no full 16-bit copy of the model is 
 
 Without a LoRA adapter the layer's `apply` runs the base GEMM (K2 without epilogue); with LoRA enabled the
 plugin's LoRA layers (lora_layers.py) take over `apply` and run K1 + K2 with the adapters in the epilogue.
+Inside vLLM's forward the base GEMM is one opaque custom op (`torch.ops.vllm.rlfp8_linear`, the layer looked up
+by name in the forward context as lora_layers.py does), so vLLM's torch.compile (fullgraph) never traces the
+kernels' host code; under compile the W8A8 layers quantize x in the graph first (knob engine_graph_quant) and
+call `rlfp8_linear_xq` with the codes.
 """
 from __future__ import annotations
 
@@ -55,6 +59,7 @@ def make_classes():
                 input_dim=1, output_dim=0, weight_loader=extra_weight_attrs.get("weight_loader"))
             layer.register_parameter("weight", weight)
             initialize_online_processing(layer)
+            _register_in_forward_context(layer, self.mode)
 
         def process_weights_after_loading(self, layer) -> None:
             if getattr(layer, "_rlfp8_quantized", False):
@@ -68,7 +73,7 @@ def make_classes():
             layer._rlfp8_quantized = True
 
         def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-            return project(x, layer, self.mode, bias=bias)
+            return apply_base(layer, x, self.mode, bias)
 
     class RLFP8Config(QuantizationConfig):
         mode = "w8a16"
@@ -102,6 +107,76 @@ def make_classes():
         name = "rlfp8_w8a8"
 
     return RLFP8LinearMethod, {"rlfp8": RLFP8Config, "rlfp8_w8a8": RLFP8W8A8Config}
+
+
+BASE_OP = "rlfp8_linear"
+BASE_OP_XQ = "rlfp8_linear_xq"        # the same with W8A8 codes made by the compiled graph
+
+
+def _register_in_forward_context(layer, mode: str) -> None:
+    """Name the layer in vLLM's static forward context (where the op finds it), when a vLLM config is being built
+    (model loading); elsewhere the layer keeps the direct call."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+        config = get_current_vllm_config_or_none()
+    except ImportError:                      # a vLLM without it: the config vLLM builds the model under
+        from vllm.config import get_current_vllm_config
+        config = get_current_vllm_config()
+    prefix = getattr(layer, "prefix", "")
+    if config is None or not prefix:
+        return
+    ctx = config.compilation_config.static_forward_context
+    name = prefix + ".rlfp8_linear"
+    if name in ctx:
+        raise ValueError(f"rlfp8: duplicate linear layer name {name}")
+    ctx[name] = layer
+    layer.rlfp8_linear_name = name
+    from rlfp8.kernels.knobs import knobs
+    layer.rlfp8_graph_quant = mode == "w8a8" and knobs().engine_graph_quant    # read once, outside any trace
+
+
+def apply_base(layer, x: torch.Tensor, mode: str, bias: torch.Tensor | None) -> torch.Tensor:
+    """The base projection (no LoRA layer around it): through the opaque op inside vLLM's forward, else direct."""
+    from vllm.forward_context import is_forward_context_available
+    name = getattr(layer, "rlfp8_linear_name", None)
+    if name is None or not is_forward_context_available():
+        return project(x, layer, mode, bias=bias)
+    n = layer.output_size_per_partition
+    if layer.rlfp8_graph_quant and x.dim() == 2 and torch.compiler.is_compiling():
+        from rlfp8.kernels.fp8_ref import quantize_activation_ref
+        x_q, x_scale = quantize_activation_ref(x, "div")
+        return torch.ops.vllm.rlfp8_linear_xq(x, x_q, x_scale, bias, name, n)
+    return torch.ops.vllm.rlfp8_linear(x, bias, name, n)
+
+
+def _base_op(x: torch.Tensor, bias: torch.Tensor | None, layer_name: str, out_features: int) -> torch.Tensor:
+    from vllm.forward_context import get_forward_context
+    layer = get_forward_context().no_compile_layers[layer_name]
+    return project(x, layer, layer.quant_method.mode, bias=bias)
+
+
+def _base_op_xq(x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, bias: torch.Tensor | None,
+                layer_name: str, out_features: int) -> torch.Tensor:
+    from vllm.forward_context import get_forward_context
+    layer = get_forward_context().no_compile_layers[layer_name]
+    return project(x, layer, layer.quant_method.mode, bias=bias, x_quant=(x_q, x_scale))
+
+
+def _base_op_fake(x: torch.Tensor, bias: torch.Tensor | None, layer_name: str, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _base_op_xq_fake(x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, bias: torch.Tensor | None,
+                     layer_name: str, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def register_ops() -> None:
+    from vllm.utils.torch_utils import direct_register_custom_op
+    if not hasattr(torch.ops.vllm, BASE_OP):
+        direct_register_custom_op(op_name=BASE_OP, op_func=_base_op, fake_impl=_base_op_fake)
+    if not hasattr(torch.ops.vllm, BASE_OP_XQ):
+        direct_register_custom_op(op_name=BASE_OP_XQ, op_func=_base_op_xq, fake_impl=_base_op_xq_fake)
 
 
 def _dummy_weight(layer) -> None:

