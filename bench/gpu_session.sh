@@ -37,6 +37,8 @@
 #            on the Qwen3-8B shape (background); tarred to checks.tgz
 #   round_timing  one call, nothing else on the GPU: the step profile (quickstart, probe overlap on and off),
 #            bench/dora.py at r = 64 and 384, the training linear's per-kernel profile
+#   compiled_checks  one call: the compiled engines' GPU tests (graph quantization; W8A8 compiled vs eager; without
+#            LoRA), then the kernel and PDL GPU tests; logs in $OUT/r
 #   round_graphs  one call: the decode-graphs engine's and launch plans' GPU tests, the plans' host cost per call;
 #            placements after it run eager if the decode-graphs test failed
 #   round_dora    one call: the DoRA / Gluon main-loop GPU tests, then bench/dora.py (r = 64/384/512) and the profile
@@ -267,6 +269,15 @@ round_timing)
     echo "dora rc=$?"; tail -25 "$OUT/dora.log"
     timeout 90 $PY bench/lab/linear_profile.py --shape 8192x8192 --ranks 64,384 --out "$OUT/r/linear_profile_h200.json" \
         > "$OUT/linear_profile.log" 2>&1; echo "linear_profile rc=$?"; tail -40 "$OUT/linear_profile.log"
+    ;;
+compiled_checks)  # one call (~6 min): the compiled engines' GPU tests (graph quantization, compiled vs eager W8A8
+                  # with LoRA, compiled engines without LoRA), then the kernel and PDL tests on the current defaults
+    mkdir -p "$OUT/r"
+    timeout 330 $PY -m pytest tests/gpu/test_plugin_gpu.py -m gpu -q -rf -s -p no:logging \
+        -k "graph_quantization or quantizes_in_its_graph or without_lora" > "$OUT/r/compiled_checks.log" 2>&1
+    echo "compiled engine tests rc=$?"; grep -E "gaps|graph vs kernel|passed|failed|Error" "$OUT/r/compiled_checks.log" | tail -12
+    timeout 200 $PY -m pytest tests/gpu/test_kernels_gpu.py tests/gpu/test_pdl_gpu.py -m gpu -q -rf > "$OUT/r/kernel_tests.log" 2>&1
+    echo "kernel tests rc=$?"; tail -5 "$OUT/r/kernel_tests.log"
     ;;
 round_graphs)  # one call: the plugin engine with decode graphs and no torch.compile (engine.compile=false, the GPU
                # test; verbose, stacks dumped if it hangs), engine.release_weights' GPU test; GRAPHS_EXTRAS=1: the eager
