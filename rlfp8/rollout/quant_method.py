@@ -127,7 +127,7 @@ def _register_in_forward_context(layer, mode: str) -> None:
         return
     ctx = config.compilation_config.static_forward_context
     name = prefix + ".rlfp8_linear"
-    if name in ctx:
+    if ctx.get(name, layer) is not layer:          # the same layer again (weights re-created) is fine
         raise ValueError(f"rlfp8: duplicate linear layer name {name}")
     ctx[name] = layer
     layer.rlfp8_linear_name = name
