@@ -43,26 +43,25 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
     h = None
     x_in, x_scale = x, None
     adapter_tokens = A is not None and not (meta is not None and meta.no_lora)
-    quant_given = x_quant is not None
-    quant_in_k2 = quant is not None and not quant_given and x.shape[0] <= knobs().k2_quant_x_tokens
+    quant_here = quant is not None and x_quant is None       # W8A8 codes still to make (not the caller's)
+    quant_in_k2 = quant_here and x.shape[0] <= knobs().k2_quant_x_tokens
     out_dtype = out_dtype or (x.dtype if x.dtype != torch.float32 else torch.bfloat16)
     # no adapter token, so no K1 to overlap (knob pdl_quant_k2): K2 is the quantizer's programmatic dependent
     # instead, its launch and the L2 prefetch of its weight rows overlapping the quantizer
-    chain_quant = (not adapter_tokens and quant is not None and not quant_given and not quant_in_k2
-                   and knobs().pdl_quant_k2)
+    chain_quant = not adapter_tokens and quant_here and not quant_in_k2 and knobs().pdl_quant_k2
     use_pdl = _use_pdl(x, q, adapter_tokens or chain_quant)
     # K1 quantizes x beside its shrink, except under PDL with pdl_w8a8_quant=separate: then the quantizer runs
     # first, in stream order (the same codes), and K2's main loop needs nothing of K1's (it waits only before the
     # epilogue reads h); without an adapter there is no K1
-    quant_in_k1 = (quant is not None and A is not None and not quant_given and not quant_in_k2 and not chain_quant
+    quant_in_k1 = (quant_here and A is not None and not quant_in_k2 and not chain_quant
                    and not (use_pdl and knobs().pdl_w8a8_quant == "separate"))
     x_from_primary = quant_in_k1 or chain_quant       # K2 then waits before its main loop reads x_q
     if quant is not None:
-        dispatch.record("lora_gemm.x_quant", "graph" if quant_given else "k2" if quant_in_k2
+        dispatch.record("lora_gemm.x_quant", "graph" if not quant_here else "k2" if quant_in_k2
                         else "k1" if quant_in_k1 else "kernel")
-    if quant_given:
+    if x_quant is not None:
         x_in, x_scale = x_quant
-    elif quant is not None and not quant_in_k1 and not quant_in_k2:
+    elif quant_here and not quant_in_k1 and not quant_in_k2:
         x_in, x_scale = quantize_activation(x, quant, use_pdl=use_pdl and chain_quant)
     if use_pdl:
         dispatch.record("lora_gemm.pdl_wait", "main_loop" if x_from_primary else "epilogue")

@@ -4,15 +4,16 @@ GEMM with h·Bᵀ added in its epilogue), instead of vLLM's base GEMM followed b
 
 The layers replace vLLM's only when the base layer's quant method is rlfp8's (`can_replace_layer`), so other
 vLLM users in the same environment keep vLLM's classes. The whole projection is one opaque custom op
-(`torch.ops.vllm.rlfp8_lora_linear(x, layer_name, out_features)`), looked up through the forward context as
-vLLM's own dual-stream LoRA does, so torch.compile sees one node and CUDA graphs capture the kernels; the op
+(`torch.ops.vllm.rlfp8_lora_linear(x, x_q, x_scale, layer_name, out_features)`), the layer looked up through
+the forward context as vLLM's own dual-stream LoRA does, so torch.compile sees one node and CUDA graphs capture
+the kernels; the op
 reads only tensors at fixed addresses and, on the GPU, vLLM's host-side `no_lora_flag_cpu` /
 `num_active_loras_cpu` (never a GPU value).
 
 The W8A8 engine under torch.compile (knob engine_graph_quant) quantizes x in the traced graph with the reference
-formula and calls the op's twin `rlfp8_lora_linear_xq(x, x_q, x_scale, ...)`: Inductor then fuses the
-quantization into the kernel that produced x (the RMSNorm, SiLU-and-mul), as vLLM's own compiled FP8 path does,
-instead of a quantizer launch per projection inside the opaque op.
+formula and passes the codes to the op (`rlfp8_lora_linear(x, x_q, x_scale, ...)`, None outside a trace):
+Inductor then fuses the quantization into the kernel that produced x (the RMSNorm, SiLU-and-mul), as vLLM's own
+compiled FP8 path does, instead of a quantizer launch per projection inside the opaque op.
 
 Metadata: on the GPU, vLLM's LoRAKernelMeta (adapter-sorted segments, the layout K1/K2 take); on the CPU
 build the per-token slot indices of the CPU punica wrapper, sorted into the same segments by build_lora_meta.
@@ -26,16 +27,14 @@ import torch
 
 from rlfp8.kernels import _triton_utils, build_lora_meta, dispatch, launch_plan
 from rlfp8.kernels._triton_utils import stacked_view
-from rlfp8.kernels.fp8_ref import quantize_activation_ref
 from rlfp8.kernels.gemm_configs import config_generation
 from rlfp8.kernels.knobs import knobs
 
-from .quant_method import project
+from .quant_method import graph_codes, graph_quant_enabled, project
 from .vllm_lora_meta import lora_meta_from_vllm
 
 log = logging.getLogger("rlfp8.rollout")
 OP_NAME = "rlfp8_lora_linear"
-OP_NAME_XQ = "rlfp8_lora_linear_xq"      # the same with W8A8 codes made by the compiled graph
 _LAYERS: list[type] = []
 
 
@@ -139,30 +138,16 @@ def _planned(layer, x, meta, static: tuple, call, extra_inputs: tuple = ()):
     return y
 
 
-def _op_impl(x: torch.Tensor, layer_name: str, out_features: int) -> torch.Tensor:
+def _op_impl(x: torch.Tensor, x_q: torch.Tensor | None, x_scale: torch.Tensor | None, layer_name: str,
+             out_features: int) -> torch.Tensor:
     from vllm.forward_context import get_forward_context
-    return run_projection(get_forward_context().no_compile_layers[layer_name], x)
+    return run_projection(get_forward_context().no_compile_layers[layer_name], x,
+                          None if x_q is None else (x_q, x_scale))
 
 
-def _op_fake(x: torch.Tensor, layer_name: str, out_features: int) -> torch.Tensor:
+def _op_fake(x: torch.Tensor, x_q: torch.Tensor | None, x_scale: torch.Tensor | None, layer_name: str,
+             out_features: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
-
-
-def _op_xq_impl(x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, layer_name: str,
-                out_features: int) -> torch.Tensor:
-    from vllm.forward_context import get_forward_context
-    return run_projection(get_forward_context().no_compile_layers[layer_name], x, (x_q, x_scale))
-
-
-def _op_xq_fake(x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, layer_name: str,
-                out_features: int) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], out_features))
-
-
-def graph_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (codes, scales [T, 1]) by the reference formula (fp8_ref.quantize_activation_ref, rounding
-    "div", the engine's), written in torch ops so that the compiled graph fuses it into x's producer."""
-    return quantize_activation_ref(x, "div")
 
 
 class _RLFP8LoRAMixin:
@@ -171,9 +156,7 @@ class _RLFP8LoRAMixin:
     def _rlfp8_register(self):
         from vllm.config import get_current_vllm_config
         self.rlfp8_layer_name = self.base_layer.prefix + ".rlfp8_lora"
-        # read once: inside a traced forward a knobs() call would be traced too
-        self.rlfp8_graph_quant = (getattr(self.base_layer.quant_method, "mode", None) == "w8a8"
-                                  and knobs().engine_graph_quant)
+        self.rlfp8_graph_quant = graph_quant_enabled(getattr(self.base_layer.quant_method, "mode", None))
         ctx = get_current_vllm_config().compilation_config.static_forward_context
         if self.rlfp8_layer_name in ctx:
             raise ValueError(f"rlfp8: duplicate LoRA layer name {self.rlfp8_layer_name}")
@@ -182,11 +165,8 @@ class _RLFP8LoRAMixin:
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         from vllm.forward_context import is_forward_context_available
         if is_forward_context_available():
-            if self.rlfp8_graph_quant and x.dim() == 2 and torch.compiler.is_compiling():
-                x_q, x_scale = graph_quantize(x)
-                return getattr(torch.ops.vllm, OP_NAME_XQ)(x, x_q, x_scale, self.rlfp8_layer_name,
-                                                           sum(self.output_slices))
-            return getattr(torch.ops.vllm, OP_NAME)(x, self.rlfp8_layer_name, sum(self.output_slices))
+            x_q, x_scale = graph_codes(self.rlfp8_graph_quant, x)
+            return getattr(torch.ops.vllm, OP_NAME)(x, x_q, x_scale, self.rlfp8_layer_name, sum(self.output_slices))
         return run_projection(self, x)
 
     def create_dora_scale(self) -> None:
@@ -245,5 +225,3 @@ def register_op() -> None:
     from vllm.utils.torch_utils import direct_register_custom_op
     if not hasattr(torch.ops.vllm, OP_NAME):
         direct_register_custom_op(op_name=OP_NAME, op_func=_op_impl, fake_impl=_op_fake)
-    if not hasattr(torch.ops.vllm, OP_NAME_XQ):
-        direct_register_custom_op(op_name=OP_NAME_XQ, op_func=_op_xq_impl, fake_impl=_op_xq_fake)

@@ -17,7 +17,7 @@ plugin's LoRA layers (lora_layers.py) take over `apply` and run K1 + K2 with the
 Inside vLLM's forward the base GEMM is one opaque custom op (`torch.ops.vllm.rlfp8_linear`, the layer looked up
 by name in the forward context as lora_layers.py does), so vLLM's torch.compile (fullgraph) never traces the
 kernels' host code; under compile the W8A8 layers quantize x in the graph first (knob engine_graph_quant) and
-call `rlfp8_linear_xq` with the codes.
+pass the codes to the op.
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 from rlfp8.kernels import dispatch, fp8_lora_linear
+from rlfp8.kernels.fp8_ref import quantize_activation_ref
+from rlfp8.kernels.knobs import knobs
 
 # quantization name -> kernel mode
 MODES = {"rlfp8": "w8a16", "rlfp8_w8a8": "w8a8"}
@@ -110,7 +112,26 @@ def make_classes():
 
 
 BASE_OP = "rlfp8_linear"
-BASE_OP_XQ = "rlfp8_linear_xq"        # the same with W8A8 codes made by the compiled graph
+
+
+def graph_quant_enabled(mode: str) -> bool:
+    """Whether a layer of this mode quantizes x in the compiled graph (knob engine_graph_quant): read when the
+    layer is built, since a knobs() call inside a traced forward would be traced too."""
+    return mode == "w8a8" and knobs().engine_graph_quant
+
+
+def graph_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (codes, scales [T, 1]) by the reference formula (fp8_ref.quantize_activation_ref, rounding
+    "div", the engine's), written in torch ops so that the compiled graph fuses it into x's producer."""
+    return quantize_activation_ref(x, "div")
+
+
+def graph_codes(enabled: bool, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The codes an op takes beside x: made in the graph while torch.compile traces a layer with graph
+    quantization enabled, else (None, None) and the op quantizes x itself (eager, decode graphs, W8A16)."""
+    if enabled and x.dim() == 2 and torch.compiler.is_compiling():
+        return graph_quantize(x)
+    return None, None
 
 
 def _register_in_forward_context(layer, mode: str) -> None:
@@ -131,8 +152,7 @@ def _register_in_forward_context(layer, mode: str) -> None:
         raise ValueError(f"rlfp8: duplicate linear layer name {name}")
     ctx[name] = layer
     layer.rlfp8_linear_name = name
-    from rlfp8.kernels.knobs import knobs
-    layer.rlfp8_graph_quant = mode == "w8a8" and knobs().engine_graph_quant    # read once, outside any trace
+    layer.rlfp8_graph_quant = graph_quant_enabled(mode)
 
 
 def apply_base(layer, x: torch.Tensor, mode: str, bias: torch.Tensor | None) -> torch.Tensor:
@@ -141,33 +161,19 @@ def apply_base(layer, x: torch.Tensor, mode: str, bias: torch.Tensor | None) -> 
     name = getattr(layer, "rlfp8_linear_name", None)
     if name is None or not is_forward_context_available():
         return project(x, layer, mode, bias=bias)
-    n = layer.output_size_per_partition
-    if layer.rlfp8_graph_quant and x.dim() == 2 and torch.compiler.is_compiling():
-        from rlfp8.kernels.fp8_ref import quantize_activation_ref
-        x_q, x_scale = quantize_activation_ref(x, "div")
-        return torch.ops.vllm.rlfp8_linear_xq(x, x_q, x_scale, bias, name, n)
-    return torch.ops.vllm.rlfp8_linear(x, bias, name, n)
+    x_q, x_scale = graph_codes(layer.rlfp8_graph_quant, x)
+    return torch.ops.vllm.rlfp8_linear(x, x_q, x_scale, bias, name, layer.output_size_per_partition)
 
 
-def _base_op(x: torch.Tensor, bias: torch.Tensor | None, layer_name: str, out_features: int) -> torch.Tensor:
+def _base_op(x: torch.Tensor, x_q: torch.Tensor | None, x_scale: torch.Tensor | None, bias: torch.Tensor | None,
+             layer_name: str, out_features: int) -> torch.Tensor:
     from vllm.forward_context import get_forward_context
     layer = get_forward_context().no_compile_layers[layer_name]
-    return project(x, layer, layer.quant_method.mode, bias=bias)
+    return project(x, layer, layer.quant_method.mode, bias=bias, x_quant=None if x_q is None else (x_q, x_scale))
 
 
-def _base_op_xq(x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, bias: torch.Tensor | None,
-                layer_name: str, out_features: int) -> torch.Tensor:
-    from vllm.forward_context import get_forward_context
-    layer = get_forward_context().no_compile_layers[layer_name]
-    return project(x, layer, layer.quant_method.mode, bias=bias, x_quant=(x_q, x_scale))
-
-
-def _base_op_fake(x: torch.Tensor, bias: torch.Tensor | None, layer_name: str, out_features: int) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], out_features))
-
-
-def _base_op_xq_fake(x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, bias: torch.Tensor | None,
-                     layer_name: str, out_features: int) -> torch.Tensor:
+def _base_op_fake(x: torch.Tensor, x_q: torch.Tensor | None, x_scale: torch.Tensor | None,
+                  bias: torch.Tensor | None, layer_name: str, out_features: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
 
 
@@ -175,8 +181,6 @@ def register_ops() -> None:
     from vllm.utils.torch_utils import direct_register_custom_op
     if not hasattr(torch.ops.vllm, BASE_OP):
         direct_register_custom_op(op_name=BASE_OP, op_func=_base_op, fake_impl=_base_op_fake)
-    if not hasattr(torch.ops.vllm, BASE_OP_XQ):
-        direct_register_custom_op(op_name=BASE_OP_XQ, op_func=_base_op_xq, fake_impl=_base_op_xq_fake)
 
 
 def _dummy_weight(layer) -> None:

@@ -95,6 +95,13 @@ def _tiny(tmp_path):
     return make_tiny_qwen3(tmp_path / "tiny", seed=1)
 
 
+def _randomize_b(trainer, std):
+    with torch.no_grad():
+        for p in trainer.params:
+            if p.shape[-1] == 8:                             # lora_B [N, r]: random so the adapter matters
+                p.normal_(0, std)
+
+
 def _cfg(precision, eager=True, compile_=True):
     from rlfp8.config import compose_dict
     return compose_dict(["model=tiny", "model.dtype=bfloat16", "adapter.rank=8", "adapter.alpha=16",
@@ -115,10 +122,7 @@ def test_vllm_engine_with_plugin_on_gpu(tmp_path, eager, compile_):
     from rlfp8.trainer.core import PolicyTrainer
     folder = _tiny(tmp_path)
     trainer = PolicyTrainer(str(folder), _cfg("w8a16"))
-    with torch.no_grad():
-        for p in trainer.params:
-            if p.shape[-1] == 8:
-                p.normal_(0, 0.3)
+    _randomize_b(trainer, 0.3)
     dispatch.reset_report()
     engine = RolloutEngine(str(folder), _cfg("w8a16", eager, compile_))
     if not compile_:        # engine.compile=false: vLLM must keep the decode graphs it was asked for
@@ -136,10 +140,7 @@ def test_vllm_engine_with_plugin_on_gpu(tmp_path, eager, compile_):
     ran = dispatch.report()
     assert ran["engine.projection"]["w8a16"] > 0 and ran["lora_gemm"]["triton"] > 0, ran
     before = engine.generate(prompts, 1, 1.0, 12, greedy=True)
-    with torch.no_grad():
-        for p in trainer.params:
-            if p.shape[-1] == 8:
-                p.normal_(0, 0.6)
+    _randomize_b(trainer, 0.6)
     engine.set_adapter(trainer.export_adapter())
     after = engine.generate(prompts, 1, 1.0, 12, greedy=True)
     assert [s.token_ids for s in before] != [s.token_ids for s in after]
@@ -150,7 +151,7 @@ def test_graph_quantization_within_one_fp8_step_of_the_quantizer():
     graph (Inductor's code) instead of the quantizer kernel. Same scales up to one fp32 rounding, codes at most one
     FP8 step apart (a division rounded differently on a boundary); the fraction of differing codes is printed."""
     from rlfp8.kernels import quantize_activation
-    from rlfp8.rollout.lora_layers import graph_quantize
+    from rlfp8.rollout.quant_method import graph_quantize
     compiled = torch.compile(graph_quantize, dynamic=True)
     total = differing = 0
     for T, K in ((1, 4096), (7, 4096), (64, 12288), (512, 4096)):
@@ -179,10 +180,7 @@ def test_compiled_w8a8_engine_quantizes_in_its_graph(tmp_path):
     from rlfp8.trainer.core import PolicyTrainer
     folder = _tiny(tmp_path)
     trainer = PolicyTrainer(str(folder), _cfg("w8a16"))
-    with torch.no_grad():
-        for p in trainer.params:
-            if p.shape[-1] == 8:
-                p.normal_(0, 0.3)
+    _randomize_b(trainer, 0.3)
     prompts = [[1, 5, 9, 20 + i, 7, 3] for i in range(8)]
     seqs = [p + list(range(30, 46)) for p in prompts]
     lens = [len(p) for p in prompts]
@@ -196,10 +194,7 @@ def test_compiled_w8a8_engine_quantizes_in_its_graph(tmp_path):
         before = engine.generate(prompts, 1, 1.0, 12, greedy=True)
         reports[label] = engine.kernel_report()
         if label == "compiled":
-            with torch.no_grad():
-                for p in trainer.params:
-                    if p.shape[-1] == 8:
-                        p.normal_(0, 0.6)
+            _randomize_b(trainer, 0.6)
             engine.set_adapter(trainer.export_adapter())
             after = engine.generate(prompts, 1, 1.0, 12, greedy=True)
             assert [s.token_ids for s in before] != [s.token_ids for s in after]
