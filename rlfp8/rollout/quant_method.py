@@ -123,6 +123,11 @@ def graph_quant_enabled(mode: str) -> bool:
 def graph_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (codes, scales [T, 1]) by the reference formula (fp8_ref.quantize_activation_ref, rounding
     "div", the engine's), written in torch ops so that the compiled graph fuses it into x's producer."""
+    if x.element_size() == 2:
+        # Inductor fuses this into x's producer (a norm, an activation), computed in fp32, and may skip the
+        # producer's cast to bf16 on the fused path; a bitcast asks for x's bf16 bits first. The codes can still
+        # quantize a value one bf16 ulp from the op's x (measured on an H100: tests/compiled_engines.py).
+        x = x.view(torch.int16).view(x.dtype)
     return quantize_activation_ref(x, "div")
 
 

