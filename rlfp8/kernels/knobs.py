@@ -77,8 +77,9 @@ class KernelKnobs:
     # the W8A8 engine under torch.compile (vLLM's compiled mode): x quantized per token by the reference formula in
     # the traced graph, where Inductor fuses it into the kernel that made x (the norm, the activation), and the
     # projection op takes the codes (dispatch "lora_gemm.x_quant" = graph); False = the quantizer kernel inside the
-    # op, as in eager and decode-graph engines. Inductor's division may round differently from the quantizer's
-    # IEEE division in the last step, so codes can differ by one FP8 step where a value sits on a rounding boundary
+    # op, as in eager and decode-graph engines. Not the quantizer's bits: Inductor quantizes its fused kernel's fp32
+    # value of x (scales within one bf16 ulp of the quantizer's on the op's x) and divides its own way, so codes
+    # can sit one FP8 step apart (1.7-2.8% of a norm output's codes on an H100; same error against x)
     engine_graph_quant: bool = True
     # K1/K2 launch configs whose reductions over K follow one schedule per weight shape, whatever the token
     # count (gemm_configs.reduction_schedule): "auto" = for the W8A16 calls (the matched engine and the FP8
