@@ -15,6 +15,7 @@ import statistics
 import torch
 
 PROMPTS = [[1, 5, 9, 20 + i, 7, 3] + list(range(30, 46)) for i in range(8)]
+PROMPT_TOKENS = sum(len(p) for p in PROMPTS)     # one prefill batch: the calls the hook checks
 
 
 def _code_steps(x_quant, x) -> tuple[int, float, float, float]:
@@ -76,7 +77,7 @@ def mean_gap(a, b) -> float:
     return statistics.mean(abs(x - y) for e, t in zip(a, b) for x, y in zip(e, t))
 
 
-def run_engines(folder, monkeypatch, **llm_kwargs) -> dict:
+def run_engines(folder, monkeypatch) -> dict:
     """Four engines without LoRA on the same weights, one after the other: W8A16 and W8A8, eager and compiled.
     Returns each one's teacher-forced log-probs of PROMPTS (tokens 1..), its dispatch report, and the graph-code
     checks of the compiled W8A8 engine's real calls."""
@@ -93,7 +94,7 @@ def run_engines(folder, monkeypatch, **llm_kwargs) -> dict:
     for quantization in ("rlfp8", "rlfp8_w8a8"):
         for eager in (True, False):
             llm = LLM(str(folder), quantization=quantization, dtype="bfloat16", max_model_len=256, max_num_seqs=8,
-                      enforce_eager=eager, **llm_kwargs)
+                      enforce_eager=eager, **_llm_kwargs())
             dispatch.reset_report()
             outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
             key = (quantization, "eager" if eager else "compiled")
@@ -113,19 +114,19 @@ def check_engines(out: dict) -> dict:
     assert rep[("rlfp8_w8a8", "compiled")]["engine.projection"]["w8a8"] > 0, rep
     assert set(rep[("rlfp8_w8a8", "compiled")]["lora_gemm.x_quant"]) == {"graph"}, rep
     assert "graph" not in rep[("rlfp8_w8a8", "eager")]["lora_gemm.x_quant"], rep
-    real = check_graph_codes(out["codes"], sum(len(p) for p in PROMPTS))
+    real = check_graph_codes(out["codes"], PROMPT_TOKENS)
     ref = lp[("rlfp8", "eager")]
     gaps = {"w8a16 compiled": mean_gap(lp[("rlfp8", "compiled")], ref),
             "w8a8 eager": mean_gap(lp[("rlfp8_w8a8", "eager")], ref),
             "w8a8 compiled": mean_gap(lp[("rlfp8_w8a8", "compiled")], ref)}
     # compiling W8A16 moves log-probs by a small part of W8A8's own rounding gap; the compiled W8A8 engine sits
-    # as far from the W16 engine as the eager one does (wrong codes or scales would put it far beyond)
+    # as far from the W8A16 engine as the eager one does (wrong codes or scales would put it far beyond)
     assert gaps["w8a16 compiled"] <= 0.25 * gaps["w8a8 eager"], gaps
     assert gaps["w8a8 compiled"] <= 1.5 * gaps["w8a8 eager"], gaps
     return {"mean |logp| gaps to eager W8A16": gaps, "graph codes (tokens, max step, fraction, scale error, error ratio)": real}
 
 
-def llm_kwargs_for_device() -> dict:
+def _llm_kwargs() -> dict:
     """KV sizes that fit beside other tests; on a GPU, CUDA graphs only up to 8 tokens, so the checked batch
     (176 tokens) runs the compiled graph outside them, where the hook can read tensors."""
     if torch.cuda.is_available():

@@ -152,7 +152,7 @@ def _register_in_forward_context(layer, mode: str) -> None:
     if config is None or not prefix:
         return
     ctx = config.compilation_config.static_forward_context
-    name = prefix + ".rlfp8_linear"
+    name = f"{prefix}.{BASE_OP}"
     if ctx.get(name, layer) is not layer:          # the same layer again (weights re-created) is fine
         raise ValueError(f"rlfp8: duplicate linear layer name {name}")
     ctx[name] = layer

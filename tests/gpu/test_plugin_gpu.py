@@ -178,7 +178,7 @@ def test_compiled_w8a8_engine_quantizes_in_its_graph(tmp_path, monkeypatch):
     from rlfp8.kernels import dispatch
     from rlfp8.rollout.engine import RolloutEngine
     from rlfp8.trainer.core import PolicyTrainer
-    from tests.compiled_engines import PROMPTS, check_graph_codes, mean_gap, watch_graph_codes
+    from tests.compiled_engines import PROMPT_TOKENS, PROMPTS, check_graph_codes, mean_gap, watch_graph_codes
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     seen: list = []
     watch_graph_codes(monkeypatch, seen)
@@ -204,7 +204,7 @@ def test_compiled_w8a8_engine_quantizes_in_its_graph(tmp_path, monkeypatch):
         del engine
         gc.collect()
         torch.cuda.empty_cache()
-    real = check_graph_codes(seen, sum(len(s) for s in PROMPTS))
+    real = check_graph_codes(seen, PROMPT_TOKENS)
     eager_gap, compiled_gap = mean_gap(scores["eager"], tr), mean_gap(scores["compiled"], tr)
     print(f"mean |logp| gap to the FP8 trainer: eager W8A8 {eager_gap:.4f}, compiled {compiled_gap:.4f}, "
           f"compiled vs eager {mean_gap(scores['compiled'], scores['eager']):.4f}; graph codes {real}")
@@ -219,5 +219,5 @@ def test_compiled_engine_without_lora(tmp_path, monkeypatch):
     W8A16 and W8A8: each base projection is the opaque op rlfp8_linear; the compiled W8A8 engine's codes, made in
     the graph, are the quantizer's on the same x up to one FP8 step; teacher-forced log-probs stay as close to the
     eager W8A16 engine's as the eager engines' (tests/compiled_engines.py says why not greedy tokens)."""
-    from tests.compiled_engines import check_engines, llm_kwargs_for_device, run_engines
-    print(check_engines(run_engines(_tiny(tmp_path), monkeypatch, **llm_kwargs_for_device())))
+    from tests.compiled_engines import check_engines, run_engines
+    print(check_engines(run_engines(_tiny(tmp_path), monkeypatch)))

@@ -242,6 +242,6 @@ def test_compiled_engine_without_lora_on_cpu(tmp_path, monkeypatch):
     compiled W8A8 engine takes its codes from the graph (dispatch "graph"), which equal the quantizer's on the same
     x up to one FP8 step, and its teacher-forced log-probs sit as close to the eager W8A16 engine's as the eager
     W8A8 engine's do (tests/compiled_engines.py; the GPU test runs the same checks under CUDA graphs)."""
-    from tests.compiled_engines import check_engines, llm_kwargs_for_device, run_engines
+    from tests.compiled_engines import check_engines, run_engines
     folder = make_tiny_qwen3(tmp_path / "tiny", seed=1)
-    print(check_engines(run_engines(folder, monkeypatch, **llm_kwargs_for_device())))
+    print(check_engines(run_engines(folder, monkeypatch)))
