@@ -23,6 +23,7 @@
 #            (issue 14's acceptance lines; each run sized and scheduled by the script's plan and --budget-s)
 #   decode_tune  set-up, then the W8A8 decode keys retuned (bench/kernel_bench.py --tune, TUNE_KEYS / TUNE_S) and the
 #            layer/GEMM rows without training rows, in one call; the table to $OUT/r
+#   k1_in_k2 the GPU tests of knob k1_in_k2, then bench/pdl_timeline.py (its k1_in_k2 arm beside base/stream/pdl)
 #   knob_ab  bench/lab/projection_knob_ab.py for the decode-path knobs (k1_decode_rank_block, k1_mask_x_rows,
 #            pdl_quant_k2, k2_quant_x_tokens): each knob's arms as paired CUDA graphs on the engine projection, bits
 #            compared
@@ -206,6 +207,22 @@ decode_tune)  # one call: set-up, then the W8A8 decode keys (TUNE_KEYS, default 
         --tune-keys "${TUNE_KEYS:-^w8a8\|16\|}" --no-train --out "$OUT/r/kernels_decode_${slug#nvidia_}.json" 2>&1 \
         | tee "$OUT/kernels_decode.log" | grep -v "^\[.*tune: " | tail -45
     cp "rlfp8/kernels/tuned/$slug.json" "$OUT/r/"
+    ;;
+k1_in_k2)  # ~2 min + ~50 s per variant, no kit needed: knob k1_in_k2's GPU tests (bits vs K1's own launch, CUDA
+           # graphs), then bench/pdl_timeline.py (its k1_in_k2 arm) once per variant of K1_IN_K2_VARIANTS
+           # ("label:VAR=v,VAR=v;..."; default: the knobs' defaults) -> $OUT/r/pdl_timeline_k1_in_k2_<label>_<gpu>.json
+    mkdir -p "$OUT/r"
+    timeout ${T_TESTS:-230} $PY -m pytest tests/gpu/test_k1_in_k2_gpu.py -m gpu -q -x -s --timeout 220 > "$OUT/k1_in_k2_tests.log" 2>&1
+    echo "k1_in_k2 tests rc=$?"; grep -v "^\s*$" "$OUT/k1_in_k2_tests.log" | tail -6
+    gpu=h100; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && gpu=h200
+    IFS=';' read -ra variants <<< "${K1_IN_K2_VARIANTS:-default:}"
+    for v in "${variants[@]}"; do
+        label=${v%%:*}; envs=${v#*:}; IFS=',' read -ra ev <<< "$envs"
+        env "${ev[@]}" timeout ${T_BENCH:-200} $PY bench/pdl_timeline.py --out "$OUT/r/pdl_timeline_k1_in_k2_${label}_$gpu.json" \
+            > "$OUT/pdl_timeline_$label.log" 2>&1
+        echo "== $label ($envs): pdl_timeline rc=$?"; grep -E " layer " "$OUT/pdl_timeline_$label.log" | cut -c1-200
+        grep -E "acceptance" "$OUT/pdl_timeline_$label.log" | grep k1_in_k2 | cut -c1-200
+    done
     ;;
 knob_ab)  # ~5 min: A/B of the decode-path knobs on the engine projection (bench/lab/projection_knob_ab.py: paired
           # CUDA graphs, bits compared), one file per knob in $OUT/r (KNOB_AB: "a|b|modes;..." to choose others)

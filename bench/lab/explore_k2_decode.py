@@ -64,8 +64,8 @@ ATOMIC = '        tl.debug_barrier()\n        done = tl.atomic_add(cnt_ptr + til
 NOT_LAST = "        elif done != SPLIT_K - 1:\n            return\n"
 RESET = '        if not DIST_RED:\n            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")\n'
 STORE_Y = "    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])\n"
-SIG_TAIL = "    part_ptr, cnt_ptr,\n    M, N, K, R, end0, end1,"
-LAUNCH_TAIL = "part, cnt,\n           M, N, K, r,"
+SIG_TAIL = "    part_ptr, cnt_ptr,\n    k1_x_ptr,"
+LAUNCH_TAIL = "part, cnt, *k1_args,"
 KEEP_DEF = "@triton.jit\ndef _keep(x):"
 DIST_DEFAULT = "    dist_red = (knobs().k2_dist_red and "
 
@@ -145,8 +145,8 @@ def variant_source(arm: str) -> str:
         s = _edit(s, "            w_ptrs += BLOCK_K * stride_wk\n", "            w_ptrs += BLOCK_K * SPLIT_K * stride_wk\n")
         s = _edit(s, "            x_ptrs += BLOCK_K * stride_xk\n", "            x_ptrs += BLOCK_K * SPLIT_K * stride_xk\n")
     elif arm == "pf2":
-        s = _edit(s, SIG_TAIL, "    part_ptr, cnt_ptr, wraw_ptr,\n    M, N, K, R, end0, end1,")
-        s = _edit(s, LAUNCH_TAIL, "part, cnt, q,\n           M, N, K, r,")
+        s = _edit(s, SIG_TAIL, "    part_ptr, cnt_ptr, wraw_ptr,\n    k1_x_ptr,")
+        s = _edit(s, LAUNCH_TAIL, "part, cnt, q, *k1_args,")
         s = _edit(s, LOOP, "    pf_rows = wraw_ptr + n_ld.to(tl.int64) * stride_wn\n"
                            "    for p in tl.static_range(2):\n"
                            "        _pf(pf_rows + tl.minimum(k_lo + p * BLOCK_K, k_hi - BLOCK_K))\n" + LOOP +
@@ -168,8 +168,8 @@ def variant_source(arm: str) -> str:
     elif arm == "noatomic":
         s = _edit(s, ATOMIC, "        done = pid_k\n")        # only split S-1 goes on, without waiting
     elif arm == "timed":
-        s = _edit(s, SIG_TAIL, "    part_ptr, cnt_ptr, tbuf_ptr, it_off,\n    M, N, K, R, end0, end1,")
-        s = _edit(s, LAUNCH_TAIL, "part, cnt, TBUF, TBUF_ITERS_AT,\n           M, N, K, r,")
+        s = _edit(s, SIG_TAIL, "    part_ptr, cnt_ptr, tbuf_ptr, it_off,\n    k1_x_ptr,")
+        s = _edit(s, LAUNCH_TAIL, "part, cnt, TBUF, TBUF_ITERS_AT, *k1_args,")
         s = _edit(s, "    pid = tl.program_id(0)\n", "    pid = tl.program_id(0)\n    smid = _sreg32(pid, \"%smid\")\n"
                   "    g0 = _sreg64(pid, \"%globaltimer\")\n    c0 = _sreg64(pid, \"%clock64\")\n")
         s = _edit(s, LOOP, "    it = 0\n" + LOOP + "        tl.store(tbuf_ptr + it_off + pid * MAX_ITERS + it, "

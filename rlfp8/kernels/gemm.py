@@ -9,7 +9,7 @@ from . import dispatch
 from .gemm_ref import lora_gemm_ref
 
 OP = "lora_gemm"
-_TRITON_ONLY = ("out", "config", "gather", "lora_precision", "use_pdl", "x_from_primary")
+_TRITON_ONLY = ("out", "config", "gather", "lora_precision", "use_pdl", "x_from_primary", "shrink")
 
 
 def lora_gemm(x, q, w_scale, **kw) -> torch.Tensor:

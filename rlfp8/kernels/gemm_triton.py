@@ -89,7 +89,8 @@ from .knobs import knobs
 from .gemm_ref import check_lora_gemm_args
 from .fp8_triton import ROUNDING_CODE, _quant_codes, _rows_scale
 from .metadata import LoRAMeta
-from .timeline import K2_END, K2_MAINLOOP_END, K2_START, K2_WAIT_ENTER, K2_WAIT_EXIT, stamp
+from .shrink_triton import ShrinkPrograms, _shrink_program
+from .timeline import K1_END, K1_START, K2_END, K2_MAINLOOP_END, K2_START, K2_WAIT_ENTER, K2_WAIT_EXIT, stamp
 from .widen import _e4m3_to_bf16, _e4m3x2_to_bf16, _e4m3x4_to_bf16, _keep
 
 OP = "lora_gemm"
@@ -231,6 +232,10 @@ def _lora_gemm_kernel(
     w_ptr, x_ptr, y_ptr, sw_ptr, sx_ptr,          # w_ptr: pointer, or a TensorDescriptor when W_TMA
     h_ptr, b0_ptr, b1_ptr, b2_ptr, slot_ptr, perm_ptr, g_ptr, bias_ptr,
     part_ptr, cnt_ptr,
+    k1_x_ptr, k1_a0_ptr, k1_a1_ptr, k1_a2_ptr, k1_ws_ptr, k1_cnt_ptr,     # K1's programs in this grid (K1_PROGRAMS)
+    k1_sorted_ptr, k1_ntok_ptr, k1_start_ptr, k1_ids_ptr, k1_sync_ptr,
+    k1_m_tiles, k1_programs, k1_consumers,
+    k1_stride_xm, k1_stride_xk, k1_stride_as, k1_stride_ar, k1_stride_ak,
     M, N, K, R, end0, end1,
     stride_wn, stride_wk, stride_xm, stride_xk, stride_ym, stride_yn,
     stride_hl, stride_hm, stride_hr,
@@ -264,9 +269,30 @@ def _lora_gemm_kernel(
                                 # fast accumulation as CUTLASS's FastAccum; an int promotes every FP8_ACC k)
     QUANT_X: tl.constexpr,      # W8A8 on 16-bit x: 0 = x is e4m3 codes + x_scale; 1 ("div") / 2 ("recip") = the
                                 # program quantizes its x tiles per token itself (fp8_triton's arithmetic)
+    K1_PROGRAMS: tl.constexpr,  # the grid's first k1_programs programs are K1's shrink (knob k1_in_k2): the GEMM's
+                                # programs wait on K1's counter k1_sync_ptr[0] before the epilogue
+    K1_BLOCK_M: tl.constexpr, K1_BLOCK_R: tl.constexpr, K1_BLOCK_K: tl.constexpr, K1_SPLIT_K: tl.constexpr,
+    K1_EVEN_K: tl.constexpr, K1_RED_UNROLL: tl.constexpr, K1_BR_BLOCK: tl.constexpr, K1_MASK_ROWS: tl.constexpr,
+    K1_STAGES: tl.constexpr,    # shrink_triton.ShrinkPrograms.consts: K1's own config, so its h bits
 ):
-    # ---- tile coordinates: split index fastest, then grouped (token tiles, weight tiles) order
     pid = tl.program_id(0)
+    if K1_PROGRAMS:
+        # K1's programs come first: dispatched before the GEMM's (the order CUTLASS's serial split-K relies on),
+        # they never wait, so the GEMM programs' wait on them below cannot deadlock
+        if pid < k1_programs:
+            stamp(pid >= 0, K1_START, False)
+            _shrink_program(pid, pid >= 0, k1_x_ptr, k1_a0_ptr, k1_a1_ptr, k1_a2_ptr, h_ptr, k1_ws_ptr, k1_cnt_ptr,
+                            k1_sorted_ptr, k1_ntok_ptr, k1_start_ptr, k1_ids_ptr, M, K, R, k1_m_tiles,
+                            k1_stride_xm, k1_stride_xk, k1_stride_as, k1_stride_ar, k1_stride_ak,
+                            stride_hl, stride_hm, stride_hr, K1_BLOCK_M, K1_BLOCK_R, K1_BLOCK_K, K1_SPLIT_K,
+                            N_SLICES, ALL_SLOT0, K1_EVEN_K, K1_RED_UNROLL, K1_BR_BLOCK, K1_MASK_ROWS, K1_STAGES)
+            # every K1 program counts itself once it is done (a tile's last one after storing its h)
+            tl.debug_barrier()
+            tl.atomic_add(k1_sync_ptr, 1, sem="release", scope="gpu")
+            stamp(pid >= 0, K1_END, True)
+            return
+        pid = pid - k1_programs
+    # ---- tile coordinates: split index fastest, then grouped (token tiles, weight tiles) order
     pid_k = pid % SPLIT_K
     tile = pid // SPLIT_K
     num_m = tl.cdiv(M, BLOCK_M)
@@ -443,7 +469,18 @@ def _lora_gemm_kernel(
     elif HAS_XS:
         acc = acc * sx[None, :]
 
-    if USE_PDL:
+    if K1_PROGRAMS:
+        # h comes from this grid's K1 programs: wait until all have counted themselves (acquire: their h is then
+        # visible); the last of the k1_consumers programs that get here resets both counters for the next launch
+        stamp(pid == 0, K2_WAIT_ENTER, False)
+        k1_done = tl.atomic_add(k1_sync_ptr, 0, sem="acquire", scope="gpu")
+        while k1_done < k1_programs:
+            k1_done = tl.atomic_add(k1_sync_ptr, 0, sem="acquire", scope="gpu")
+        stamp(pid == 0, K2_WAIT_EXIT, False)
+        if tl.atomic_add(k1_sync_ptr + 1, 1, sem="relaxed", scope="gpu") == k1_consumers - 1:
+            tl.atomic_xchg(k1_sync_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(k1_sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+    elif USE_PDL:
         if not PDL_WAIT_EARLY:
             stamp(pid == 0, K2_WAIT_ENTER, False)
             tl.extra.cuda.gdc_wait()                            # h comes from K1: wait only here
@@ -736,7 +773,10 @@ def _gluon_mainloop(x, q, w_scale, h, B, slices, has_lora, gather, g, bias, lora
 def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAMeta | None = None, g=None,
                      bias=None, out_dtype=None, out=None, config: GemmConfig | None = None, gather=None,
                      lora_precision: str = "bf16x2", use_pdl: bool = False,
-                     x_from_primary: bool = True, quantize_x: str | None = None) -> torch.Tensor:
+                     x_from_primary: bool = True, quantize_x: str | None = None,
+                     shrink: ShrinkPrograms | None = None) -> torch.Tensor:
+    """K2 (module docstring). `shrink`: K1's programs of this call (shrink_triton.shrink_programs, h = its h),
+    run as the first programs of this grid (knob k1_in_k2_tokens, projection.fp8_lora_linear)."""
     mode, slices = check_lora_gemm_args(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype, quantize_x)
     _check_launch(x, mode, lora_precision, use_pdl, q)
     M, K = x.shape
@@ -753,7 +793,9 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     gather = (meta is not None and has_lora) if gather is None else (gather and meta is not None)
     if has_lora:                        # both main loops run the epilogue in this chunk (gemm_rs: K2's chunks)
         dispatch.record(f"{OP}.rank_chunk", str(rank_chunk(block_r(slices[0].shape[2]))))
-    big_w8a16 = (mode == "w8a16" and config is None and m_bucket(M) == M_BUCKETS[-1]
+    if shrink is not None:
+        _check_shrink(shrink, h, has_lora, quantize_x)
+    big_w8a16 = (shrink is None and mode == "w8a16" and config is None and m_bucket(M) == M_BUCKETS[-1]
                  and not dispatch.triton_interpreting())
     if big_w8a16 and invariant and not same_sums(cfg, GLUON_SCHEDULE, K):
         dispatch.record(f"{OP}.mainloop", "triton")     # the Gluon loop sums over K in another schedule
@@ -772,10 +814,12 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     perm_t = meta.token_indices_sorted_by_lora_ids if gather else dummy
     w_arg, w_tma = _w_operand(q, cfg)
     x_arg, x_tma = _x_operand(x, cfg, gather, quantize_x)
-    launch(_lora_gemm_kernel, (m_tiles * n_tiles * cfg.split_k,),
+    programs = m_tiles * n_tiles * cfg.split_k
+    k1_args, k1_consts = _k1_block(shrink, programs if cfg.split_k == 1 or dist_red else m_tiles * n_tiles, dummy)
+    launch(_lora_gemm_kernel, (programs + (shrink.programs if shrink is not None else 0),),
            w_arg, x_arg, out, w_scale if w_scale is not None else dummy, x_scale if x_scale is not None else dummy,
            h if has_lora else dummy, *b_ptrs, slot_t, perm_t, g if g is not None else dummy,
-           bias if bias is not None else dummy, part, cnt,
+           bias if bias is not None else dummy, part, cnt, *k1_args,
            M, N, K, r, ends[0], ends[1],
            q.stride(0), q.stride(1), x.stride(0), x.stride(1), out.stride(0), out.stride(1),
            hst[0], hst[1], hst[2], *bst,
@@ -790,5 +834,33 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
            USE_PDL=use_pdl, W_TMA=w_tma, QUANT_X=ROUNDING_CODE[quantize_x] if quantize_x else 0,
            PDL_WAIT_EARLY=_pdl_wait_early(mode, use_pdl, q, K, w_tma, x_from_primary and quantize_x is None),
            SWAP_AB=cfg.swap_ab, X_TMA=x_tma, **_variant_flags(cfg, mode, x, meta, has_lora, dist_red, x_tma),
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
+           **k1_consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
     return out
+
+
+# K2's K1 constexprs when its grid runs no K1 programs
+_NO_K1 = dict(K1_PROGRAMS=False, K1_BLOCK_M=16, K1_BLOCK_R=16, K1_BLOCK_K=16, K1_SPLIT_K=1, K1_EVEN_K=True,
+              K1_RED_UNROLL=False, K1_BR_BLOCK=16, K1_MASK_ROWS=False, K1_STAGES=1)
+
+
+def _k1_block(shrink: ShrinkPrograms | None, consumers: int, dummy) -> tuple[tuple, dict]:
+    """K2's K1 arguments (pointers, counts, strides) and constexprs: the shrink programs' or placeholders.
+    `consumers`: how many GEMM programs reach the epilogue (the last of them resets the counters)."""
+    if shrink is None:
+        return (dummy,) * 11 + (0,) * 8, _NO_K1
+    dispatch.record(f"{OP}.k1", "in_k2")
+    sync = split_counters(f"{OP}.k1_sync", 2, dummy.device)     # [K1 programs done, GEMM programs past the wait]
+    x = shrink.x
+    args = (x, *shrink.a3, shrink.ws, shrink.cnt, *shrink.segments, sync, shrink.m_tiles, shrink.programs,
+            consumers, x.stride(0), x.stride(1), *shrink.a3[0].stride())
+    return args, dict(shrink.consts, K1_PROGRAMS=True)
+
+
+def _check_shrink(shrink: ShrinkPrograms, h, has_lora, quantize_x) -> None:
+    """K1 in K2's grid writes the h that this call's epilogue reads (its shape is checked with h's)."""
+    if not has_lora or h is not shrink.out.h:
+        raise ValueError(f"rlfp8.kernels.{OP}: shrink programs need the adapter's B and h = their h (h "
+                         f"{None if h is None else tuple(h.shape)}, B {'given' if has_lora else 'none'})")
+    if quantize_x is not None:
+        raise ValueError(f"rlfp8.kernels.{OP}: quantize_x={quantize_x!r} with shrink programs: K2 quantizing x "
+                         f"and K1 in its grid are not combined (the quantizer kernel or the caller's codes are)")

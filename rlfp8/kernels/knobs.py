@@ -18,6 +18,7 @@ PDL_MODES = ("auto", "on", "off")
 PDL_W8A8_QUANT = ("separate", "fused")
 BATCH_INVARIANT = ("auto", "on", "off")
 K1_DECODE_RANK_BLOCKS = (0, 16, 32, 64)
+K1_IN_K2 = ("off", "w8a8", "on")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,15 @@ class KernelKnobs:
     # times the programs (more in flight beside K2's main loop under PDL); 0 = the whole rank up to 128. Same bits
     # (each h column's sum is its own); dispatch records "lora_shrink.rank_blocks"
     k1_decode_rank_block: int = 0
+    # the engine projection with an adapter at decode sizes (<= k1_in_k2_tokens): K1's shrink programs run as the
+    # first programs of K2's grid, one launch instead of two, K2's programs waiting on their counter before the
+    # epilogue (no launch gap; W8A8 then quantizes x in its own kernel, K2 its programmatic dependent with
+    # pdl_quant_k2, or takes the caller's codes). "w8a8" = for W8A8 calls, where the H100 measured the layer 5-6%
+    # faster than K1 in its own launch; "on" = W8A16 too (slower there: K1's 8 long programs hold the GEMM's wait
+    # on the down projection); "off" = K1 in its own kernel (K2 its programmatic dependent under PDL). Same bits;
+    # dispatch records "lora_gemm.k1" = in_k2
+    k1_in_k2: str = "w8a8"
+    k1_in_k2_tokens: int = 64
     # K1 at decode sizes (<= 16 tokens): a tile's padding rows (past its adapter's segment: at batch 1, 15 of 16)
     # load no x, as K2's k2_mask_x_rows; False = they re-read a valid row. Same bits (their h is never stored)
     k1_mask_x_rows: bool = False
@@ -109,6 +119,8 @@ ENV_VARS = {
     "RLFP8_K2_QUANT_X_TOKENS": "k2_quant_x_tokens",
     "RLFP8_K1_DECODE_RANK_BLOCK": "k1_decode_rank_block",
     "RLFP8_K1_MASK_X_ROWS": "k1_mask_x_rows",
+    "RLFP8_K1_IN_K2_TOKENS": "k1_in_k2_tokens",
+    "RLFP8_K1_IN_K2": "k1_in_k2",
     "RLFP8_ENGINE_GRAPH_QUANT": "engine_graph_quant",
     "RLFP8_BATCH_INVARIANT": "batch_invariant",
     "RLFP8_HOST_FAST": "host_fast",
@@ -116,10 +128,11 @@ ENV_VARS = {
 ENV_VARS_BY_KNOB = {knob: var for var, knob in ENV_VARS.items()}
 _NAMES = tuple(f.name for f in dataclasses.fields(KernelKnobs))
 _CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "pdl": PDL_MODES, "pdl_w8a8_quant": PDL_W8A8_QUANT,
-            "batch_invariant": BATCH_INVARIANT, "k1_decode_rank_block": K1_DECODE_RANK_BLOCKS}
+            "batch_invariant": BATCH_INVARIANT, "k1_decode_rank_block": K1_DECODE_RANK_BLOCKS,
+            "k1_in_k2": K1_IN_K2}
 _FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "k2_mask_x_rows", "host_fast", "tuned_nearest", "pdl_quant_k2",
           "k1_mask_x_rows", "engine_graph_quant")
-_COUNTS = ("k2_quant_x_tokens",)
+_COUNTS = ("k2_quant_x_tokens", "k1_in_k2_tokens")
 _INTS = _COUNTS + ("k1_decode_rank_block",)       # read from the environment as ints
 
 

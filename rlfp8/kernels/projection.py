@@ -23,7 +23,10 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
     shrink_out: a preallocated h buffer [L, T, r] fp32 (vLLM's); by default an uninitialised one, since K2
     never reads the rows of tokens without adapter (no memset launch).
     With Triton kernels K2 is launched as K1's programmatic dependent where the knob `pdl` allows it (same
-    bits); dispatch records "lora_gemm.launch" = pdl | stream.
+    bits); dispatch records "lora_gemm.launch" = pdl | stream. With the knob k1_in_k2 (default: W8A8 calls of <=
+    k1_in_k2_tokens tokens) K1's shrink programs run instead as the first programs of K2's grid, K2 waiting on
+    their counter before its epilogue (same bits; dispatch "lora_gemm.k1" = in_k2; W8A8 then quantizes x in its
+    own kernel, K2 being its programmatic dependent with pdl_quant_k2, or takes the caller's codes).
     W8A8: where x is quantized (same codes everywhere; dispatch records "lora_gemm.x_quant"): "k2" = inside K2
     at <= k2_quant_x_tokens tokens (no quantizer launch; the knob is 0 by default, since the H200 measured it
     slower), "k1" = beside K1's shrink, "kernel" = by its own kernel before K1 (or before K2 without an adapter:
@@ -44,17 +47,24 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
     x_in, x_scale = x, None
     adapter_tokens = A is not None and not (meta is not None and meta.no_lora)
     quant_here = quant is not None and x_quant is None       # W8A8 codes still to make (not the caller's)
-    quant_in_k2 = quant_here and x.shape[0] <= knobs().k2_quant_x_tokens
+    kn = knobs()
+    quant_in_k2 = quant_here and x.shape[0] <= kn.k2_quant_x_tokens
     out_dtype = out_dtype or (x.dtype if x.dtype != torch.float32 else torch.bfloat16)
-    # no adapter token, so no K1 to overlap (knob pdl_quant_k2): K2 is the quantizer's programmatic dependent
-    # instead, its launch and the L2 prefetch of its weight rows overlapping the quantizer
-    chain_quant = not adapter_tokens and quant_here and not quant_in_k2 and knobs().pdl_quant_k2
-    use_pdl = _use_pdl(x, q, adapter_tokens or chain_quant)
+    # knob k1_in_k2: K1's shrink programs run first in K2's grid (one launch; K2 waits on their counter before its
+    # epilogue)
+    k1_in_k2 = (adapter_tokens and not quant_in_k2 and x.shape[0] <= kn.k1_in_k2_tokens
+                and (kn.k1_in_k2 == "on" or (kn.k1_in_k2 == "w8a8" and mode == "w8a8"))
+                and dispatch.would_choose("lora_shrink", x) == "triton"
+                and dispatch.would_choose("lora_gemm", x, q) == "triton")
+    # no K1 launch to overlap (no adapter token, or K1 inside K2's grid; knob pdl_quant_k2): K2 is the quantizer's
+    # programmatic dependent instead, its launch and the L2 prefetch of its weight rows overlapping the quantizer
+    chain_quant = (not adapter_tokens or k1_in_k2) and quant_here and not quant_in_k2 and kn.pdl_quant_k2
+    use_pdl = _use_pdl(x, q, (adapter_tokens and not k1_in_k2) or chain_quant)
     # K1 quantizes x beside its shrink, except under PDL with pdl_w8a8_quant=separate: then the quantizer runs
     # first, in stream order (the same codes), and K2's main loop needs nothing of K1's (it waits only before the
-    # epilogue reads h); without an adapter there is no K1
-    quant_in_k1 = (quant_here and A is not None and not quant_in_k2 and not chain_quant
-                   and not (use_pdl and knobs().pdl_w8a8_quant == "separate"))
+    # epilogue reads h); without an adapter there is no K1, and K1 inside K2's grid only shrinks
+    quant_in_k1 = (quant_here and A is not None and not quant_in_k2 and not chain_quant and not k1_in_k2
+                   and not (use_pdl and kn.pdl_w8a8_quant == "separate"))
     x_from_primary = quant_in_k1 or chain_quant       # K2 then waits before its main loop reads x_q
     if quant is not None:
         dispatch.record("lora_gemm.x_quant", "graph" if not quant_here else "k2" if quant_in_k2
@@ -65,11 +75,17 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
         x_in, x_scale = quantize_activation(x, quant, use_pdl=use_pdl and chain_quant)
     if use_pdl:
         dispatch.record("lora_gemm.pdl_wait", "main_loop" if x_from_primary else "epilogue")
-    if A is not None:
-        if shrink_out is None:
-            L = len(A) if isinstance(A, (list, tuple)) else 1
-            r = (A[0] if isinstance(A, (list, tuple)) else A).shape[-2]
-            shrink_out = torch.empty((L, x.shape[0], r), dtype=torch.float32, device=x.device)
+    if A is not None and shrink_out is None:
+        L = len(A) if isinstance(A, (list, tuple)) else 1
+        r = (A[0] if isinstance(A, (list, tuple)) else A).shape[-2]
+        shrink_out = torch.empty((L, x.shape[0], r), dtype=torch.float32, device=x.device)
+    gemm_kw = {"x_from_primary": x_from_primary} if use_pdl else {}
+    if k1_in_k2:
+        from .shrink_triton import shrink_programs
+        dispatch.choose("lora_shrink", x)                     # records the Triton path: its programs run in K2
+        gemm_kw["shrink"] = shrink_programs(x, A, meta, out=shrink_out)
+        h = shrink_out
+    elif A is not None:
         # `so` stays referenced until K2 is enqueued: with PDL, K2 runs beside K1, so K1's split-K workspace
         # must not go back to the allocator (and become K2's buffers) before then
         so: ShrinkOut = lora_shrink(x, A, meta, quant=quant if quant_in_k1 else None, out=shrink_out,
@@ -77,7 +93,6 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
         h = so.h
         if quant_in_k1:
             x_in, x_scale = so.x_q, so.x_scale
-    gemm_kw = {"x_from_primary": x_from_primary} if use_pdl else {}
     if quant_in_k2:
         gemm_kw["quantize_x"] = quant
     y = lora_gemm(x_in, q, w_scale, x_scale=x_scale, h=h, B=B, meta=meta, g=g, bias=bias, use_pdl=use_pdl,

@@ -120,39 +120,19 @@ def shrink_rank_block(block_r: int, M: int | None = None) -> int:
 
 
 @triton.jit
-def _lora_shrink_kernel(
-    x_ptr, a0_ptr, a1_ptr, a2_ptr, h_ptr, xq_ptr, xs_ptr, ws_ptr, cnt_ptr,
-    sorted_ptr, ntok_ptr, start_ptr, ids_ptr,
-    M, K, R, m_tiles, n_quant,
-    stride_xm, stride_xk,
-    stride_as, stride_ar, stride_ak,          # A slices share strides: [S, r, K]
-    stride_hl, stride_hm, stride_hr,          # h [L, T, r]
-    stride_qm, stride_qk, stride_xs,          # x_q [T, K], x_scale [T]
+def _shrink_program(
+    p, is_shrink, x_ptr, a0_ptr, a1_ptr, a2_ptr, h_ptr, ws_ptr, cnt_ptr,
+    sorted_ptr, ntok_ptr, start_ptr, ids_ptr, M, K, R, m_tiles,
+    stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_hl, stride_hm, stride_hr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    N_SLICES: tl.constexpr, ALL_SLOT0: tl.constexpr, QUANT: tl.constexpr, QBLOCK_M: tl.constexpr,
-    QBLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, RED_UNROLL: tl.constexpr, USE_PDL: tl.constexpr,
-    BR_BLOCK: tl.constexpr,     # ranks per program (shrink_rank_block): BLOCK_R // BR_BLOCK programs per tile
-    MASK_ROWS: tl.constexpr,    # a tile's padding rows (past its segment) load no x (knob k1_mask_x_rows); else
-                                # they re-read a valid row (their h is never stored either way)
+    N_SLICES: tl.constexpr, ALL_SLOT0: tl.constexpr, EVEN_K: tl.constexpr, RED_UNROLL: tl.constexpr,
+    BR_BLOCK: tl.constexpr, MASK_ROWS: tl.constexpr,
+    STAGES: tl.constexpr,       # the K loop's pipeline depth (its own: inside K2's grid the kernel's is K2's)
 ):
-    # 1-D grid: [n_quant quantization programs (W8A8 only)] + [SPLIT_K x m_tiles x N_SLICES x segments shrink
-    # programs], split index fastest.
-    pid = tl.program_id(0)
-    stamp(pid >= 0, K1_START, False)          # benchmark timeline only (no code by default)
-    if USE_PDL:
-        # Let the dependent K2 start now, at every program's start (the H200 probe: the full overlap; the
-        # trigger then also comes after all of K1's programs are resident, so K2 never delays them). Safe
-        # anywhere: K2 reads h / x_q only after gdc_wait, which waits for K1's completion and memory flush.
-        tl.extra.cuda.gdc_launch_dependents()
-    if QUANT != 0:
-        if pid < n_quant:
-            # per-token quantization of QBLOCK_M consecutive rows (token order: it does not depend on the
-            # adapters), the same row helper and config as the stand-alone quantizer
-            qrows = pid * QBLOCK_M + tl.arange(0, QBLOCK_M)
-            _quant_rows_tile(x_ptr, xq_ptr, xs_ptr, qrows, qrows < M, K, stride_xm, stride_xk, stride_qm,
-                             stride_qk, stride_xs, QBLOCK_M, QBLOCK_K, QUANT)
-    is_shrink = pid >= n_quant
-    p = tl.maximum(pid - n_quant, 0)          # quantization programs decode as shrink program 0, then skip it
+    """Shrink program p (split index fastest, then rank block, row tile, slice, segment) of K1: h for its rows
+    and ranks, or its split's partial (the tile's last program sums them). Does nothing unless is_shrink.
+    Runs in K1's own kernel and, with the knob k1_in_k2_tokens, as the first programs of K2's grid
+    (gemm_triton): the same code and config, so the same h bit for bit."""
     # above rank 128 (and at decode sizes with the knob k1_decode_rank_block) a tile's ranks are cut into blocks of
     # BR_BLOCK, one program each (next to each other, so they read the same x rows from L2): the [BLOCK_M,
     # BLOCK_R] accumulator and the A tile of one program stay small, and there are more programs. Each h
@@ -199,7 +179,7 @@ def _lora_shrink_kernel(
         a_ptrs = (a_ptr + lora_id.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar
                   + (k_lo + offs_k)[None, :] * stride_ak)                                      # [BR, BK]
         acc = tl.zeros((BLOCK_M, BR_BLOCK), dtype=tl.float32)
-        for k in range(k_lo, k_hi, BLOCK_K):
+        for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             if EVEN_K:
                 if MASK_ROWS:
                     xt = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
@@ -243,6 +223,48 @@ def _lora_shrink_kernel(
                                        cache_modifier=".cg")
                 tl.store(h_ptrs, acc, mask=h_mask)
                 tl.atomic_xchg(cnt_ptr + tile_id, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, h_ptr, xq_ptr, xs_ptr, ws_ptr, cnt_ptr,
+    sorted_ptr, ntok_ptr, start_ptr, ids_ptr,
+    M, K, R, m_tiles, n_quant,
+    stride_xm, stride_xk,
+    stride_as, stride_ar, stride_ak,          # A slices share strides: [S, r, K]
+    stride_hl, stride_hm, stride_hr,          # h [L, T, r]
+    stride_qm, stride_qk, stride_xs,          # x_q [T, K], x_scale [T]
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    N_SLICES: tl.constexpr, ALL_SLOT0: tl.constexpr, QUANT: tl.constexpr, QBLOCK_M: tl.constexpr,
+    QBLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, RED_UNROLL: tl.constexpr, USE_PDL: tl.constexpr,
+    BR_BLOCK: tl.constexpr,     # ranks per program (shrink_rank_block): BLOCK_R // BR_BLOCK programs per tile
+    MASK_ROWS: tl.constexpr,    # a tile's padding rows (past its segment) load no x (knob k1_mask_x_rows); else
+                                # they re-read a valid row (their h is never stored either way)
+    STAGES: tl.constexpr,       # the shrink loop's pipeline depth (= num_stages)
+):
+    # 1-D grid: [n_quant quantization programs (W8A8 only)] + [SPLIT_K x m_tiles x N_SLICES x segments shrink
+    # programs], split index fastest.
+    pid = tl.program_id(0)
+    stamp(pid >= 0, K1_START, False)          # benchmark timeline only (no code by default)
+    if USE_PDL:
+        # Let the dependent K2 start now, at every program's start (the H200 probe: the full overlap; the
+        # trigger then also comes after all of K1's programs are resident, so K2 never delays them). Safe
+        # anywhere: K2 reads h / x_q only after gdc_wait, which waits for K1's completion and memory flush.
+        tl.extra.cuda.gdc_launch_dependents()
+    if QUANT != 0:
+        if pid < n_quant:
+            # per-token quantization of QBLOCK_M consecutive rows (token order: it does not depend on the
+            # adapters), the same row helper and config as the stand-alone quantizer
+            qrows = pid * QBLOCK_M + tl.arange(0, QBLOCK_M)
+            _quant_rows_tile(x_ptr, xq_ptr, xs_ptr, qrows, qrows < M, K, stride_xm, stride_xk, stride_qm,
+                             stride_qk, stride_xs, QBLOCK_M, QBLOCK_K, QUANT)
+    is_shrink = pid >= n_quant
+    p = tl.maximum(pid - n_quant, 0)          # quantization programs decode as shrink program 0, then skip it
+    _shrink_program(p, is_shrink, x_ptr, a0_ptr, a1_ptr, a2_ptr, h_ptr, ws_ptr, cnt_ptr,
+                    sorted_ptr, ntok_ptr, start_ptr, ids_ptr, M, K, R, m_tiles,
+                    stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_hl, stride_hm, stride_hr,
+                    BLOCK_M, BLOCK_R, BLOCK_K, SPLIT_K, N_SLICES, ALL_SLOT0, EVEN_K, RED_UNROLL, BR_BLOCK,
+                    MASK_ROWS, STAGES)
     stamp(pid >= 0, K1_END, True)
 
 
@@ -267,14 +289,8 @@ def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: 
                        use_pdl: bool = False) -> ShrinkOut:
     x, A3 = _checked_inputs(x, A, meta, quant, out, use_pdl)
     M, K = x.shape
-    S, r, _ = A3[0].shape
-    L = len(A3)
-    a_st = A3[0].stride()
     dev = x.device
-    # without metadata every row of h is written by the kernel (one adapter, slot 0): no zero fill needed
-    # (the fast path of the knob host_fast; with metadata, rows without adapter must stay 0)
-    alloc = torch.empty if meta is None and knobs().host_fast else torch.zeros
-    h = out if out is not None else alloc((L, M, r), dtype=torch.float32, device=dev)
+    h = _h_buffer(x, A3, meta, out)
     xq = torch.empty((M, K), dtype=FP8_DTYPE, device=dev) if quant else None
     xs = torch.empty((M, 1), dtype=torch.float32, device=dev) if quant else None
     if M == 0:
@@ -286,6 +302,63 @@ def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: 
             xq, s = quantize_rows_triton(x, quant, OP)
             xs = s[:, None]
         return ShrinkOut(h, xq, xs)
+    progs = _shrink_layout(x, A3, meta, h, config, quant)
+    if quant:
+        qbm, qbk, _ = _quant_config(M, K)
+        n_quant = cdiv(M, qbm)
+    else:
+        qbm, qbk, n_quant = 1, 16, 0
+    cfg = progs.config
+    k1 = progs.consts
+    launch(_lora_shrink_kernel, (n_quant + progs.programs,),
+           x, *progs.a3, h, xq if quant else h, xs if quant else h, progs.ws, progs.cnt, *progs.segments,
+           M, K, progs.rank, progs.m_tiles, n_quant, x.stride(0), x.stride(1), *progs.a3[0].stride(),
+           h.stride(0), h.stride(1), h.stride(2),
+           xq.stride(0) if quant else 0, xq.stride(1) if quant else 0, xs.stride(0) if quant else 0,
+           BLOCK_M=cfg.block_m, BLOCK_R=k1["K1_BLOCK_R"], BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+           N_SLICES=len(A3), ALL_SLOT0=meta is None, QUANT=ROUNDING_CODE[quant] if quant else 0, QBLOCK_M=qbm,
+           QBLOCK_K=qbk, EVEN_K=k1["K1_EVEN_K"], RED_UNROLL=k1["K1_RED_UNROLL"], USE_PDL=use_pdl,
+           BR_BLOCK=k1["K1_BR_BLOCK"], MASK_ROWS=k1["K1_MASK_ROWS"], STAGES=cfg.num_stages,
+           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # K1 itself is launched in stream order (it reads x at once and has no gdc_wait); use_pdl only makes it
+    # trigger its dependent K2. The workspace is returned so that the caller keeps it alive until K2 is
+    # enqueued: K2 then runs beside K1 and must not get this memory from the allocator.
+    return ShrinkOut(h, xq, xs, workspace=progs.out.workspace)
+
+
+@dataclass
+class ShrinkPrograms:
+    """One call's shrink programs (no quantization) as launch arguments of `_shrink_program`: K1's own launch
+    takes them, and so does K2's grid where K1 runs as its first programs (knob k1_in_k2_tokens, gemm_triton).
+    `consts` are the K1_* constexprs; `out` holds h and the split-K workspace (keep it alive until the launch
+    is enqueued)."""
+    out: ShrinkOut
+    programs: int
+    x: torch.Tensor
+    a3: list                    # the A slices, padded to three with the first
+    ws: torch.Tensor            # split-K partials (h itself without split)
+    cnt: torch.Tensor           # split-K tile counters (h itself without split)
+    segments: tuple             # sorted token ids, tokens per segment, segment starts, slot ids (h without metadata)
+    m_tiles: int
+    rank: int
+    config: ShrinkConfig
+    consts: dict
+
+
+def _h_buffer(x, A3, meta, out):
+    # without metadata every row of h is written by the kernel (one adapter, slot 0): no zero fill needed
+    # (the fast path of the knob host_fast; with metadata, rows without adapter must stay 0)
+    if out is not None:
+        return out
+    alloc = torch.empty if meta is None and knobs().host_fast else torch.zeros
+    return alloc((len(A3), x.shape[0], A3[0].shape[1]), dtype=torch.float32, device=x.device)
+
+
+def _shrink_layout(x, A3, meta, h, config, quant) -> ShrinkPrograms:
+    M, K = x.shape
+    S, r, _ = A3[0].shape
+    L = len(A3)
+    dev = x.device
     cfg = _pick_shrink_config(config, M, K, r, quant)
     br = block_r(r)
     m_tiles = cdiv(M, cfg.block_m)
@@ -299,29 +372,24 @@ def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: 
     else:
         md = (meta.token_indices_sorted_by_lora_ids, meta.num_tokens_per_lora, meta.lora_token_start_loc,
               meta.active_lora_ids)
-    a_ptrs = A3 + [A3[0]] * (3 - L)
-    if quant:
-        qbm, qbk, _ = _quant_config(M, K)
-        n_quant = cdiv(M, qbm)
-    else:
-        qbm, qbk, n_quant = 1, 16, 0
     # unroll the split-K reduction while the partials (BLOCK_M x BR_BLOCK fp32 per split) stay within ~128
     # registers per thread
     red_unroll = cfg.block_m * rb * (cfg.split_k - 1) <= 128 * 32 * cfg.num_warps
     dispatch.record(f"{OP}.rank_blocks", str(rank_blocks))
-    grid = (n_quant + cfg.split_k * rank_blocks * m_tiles * L * n_seg,)
-    launch(_lora_shrink_kernel, grid,
-           x, *a_ptrs, h, xq if quant else h, xs if quant else h, ws, cnt, *md,
-           M, K, r, m_tiles, n_quant,
-           x.stride(0), x.stride(1), a_st[0], a_st[1], a_st[2],
-           h.stride(0), h.stride(1), h.stride(2),
-           xq.stride(0) if quant else 0, xq.stride(1) if quant else 0, xs.stride(0) if quant else 0,
-           BLOCK_M=cfg.block_m, BLOCK_R=br, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, N_SLICES=L,
-           ALL_SLOT0=meta is None, QUANT=ROUNDING_CODE[quant] if quant else 0, QBLOCK_M=qbm, QBLOCK_K=qbk,
-           EVEN_K=K % cfg.block_k == 0, RED_UNROLL=red_unroll, USE_PDL=use_pdl, BR_BLOCK=rb,
-           MASK_ROWS=knobs().k1_mask_x_rows and M <= 16,
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    # K1 itself is launched in stream order (it reads x at once and has no gdc_wait); use_pdl only makes it
-    # trigger its dependent K2. The workspace is returned so that the caller keeps it alive until K2 is
-    # enqueued: K2 then runs beside K1 and must not get this memory from the allocator.
-    return ShrinkOut(h, xq, xs, workspace=ws if cfg.split_k > 1 else None)
+    consts = dict(K1_BLOCK_M=cfg.block_m, K1_BLOCK_R=br, K1_BLOCK_K=cfg.block_k, K1_SPLIT_K=cfg.split_k,
+                  K1_EVEN_K=K % cfg.block_k == 0, K1_RED_UNROLL=red_unroll, K1_BR_BLOCK=rb,
+                  K1_MASK_ROWS=knobs().k1_mask_x_rows and M <= 16, K1_STAGES=cfg.num_stages)
+    out = ShrinkOut(h, None, None, workspace=ws if cfg.split_k > 1 else None)
+    return ShrinkPrograms(out, cfg.split_k * rank_blocks * m_tiles * L * n_seg, x, A3 + [A3[0]] * (3 - L), ws, cnt,
+                          md, m_tiles, r, cfg, consts)
+
+
+def shrink_programs(x: torch.Tensor, A, meta: LoRAMeta | None = None,
+                    out: torch.Tensor | None = None) -> ShrinkPrograms:
+    """K1's shrink programs for one call without quantization (K2's grid runs them: knob k1_in_k2_tokens), after
+    the same checks and config choice as lora_shrink_triton. The caller makes sure some token has an adapter."""
+    x, A3 = _checked_inputs(x, A, meta, None, out, False)
+    if x.shape[0] == 0 or (meta is not None and meta.no_lora):
+        raise ValueError(f"rlfp8.kernels.{OP}: shrink_programs needs tokens with an adapter, got x "
+                         f"{tuple(x.shape)}{' and metadata without adapters' if meta is not None else ''}")
+    return _shrink_layout(x, A3, meta, _h_buffer(x, A3, meta, out), None, None)

@@ -38,22 +38,31 @@ def _problem(shape, M, r=64, seed=0):
     return x, q, sw, A, B, build_lora_meta(slots, 1)
 
 
-def _run(pdl, mode, x, q, sw, A, B, meta):
-    mode, _, fused = mode.partition("_")
-    saved = set_knobs(pdl=pdl, pdl_w8a8_quant=fused or "separate")
+def projection_with(knob_values: dict, mode, x, q, sw, A, B, meta):
+    """fp8_lora_linear under the given kernel knobs (restored afterwards)."""
+    saved = set_knobs(**knob_values)
     try:
         return fp8_lora_linear(x, q, sw, A, B, meta, mode=mode)
     finally:
         restore_knobs(saved)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _precompile():
-    """Compile every kernel of the module's cases in parallel first (the launches are captured, not run)."""
+def require_sm90(why: str) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("PDL needs sm_90+")
+        pytest.skip(why)
+
+
+def _run(pdl, mode, *problem):
+    mode, _, fused = mode.partition("_")              # K1 in its own launch (knob k1_in_k2 off)
+    return projection_with(dict(pdl=pdl, pdl_w8a8_quant=fused or "separate", k1_in_k2="off"), mode, *problem)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _precompile():
+    """Compile every kernel of the module's cases in parallel first (the launches are captured, not run)."""
+    require_sm90("PDL needs sm_90+")
     with tu.collect_launches() as rec:
         for shape in SHAPES:
             for M in MS:
@@ -97,7 +106,7 @@ def test_pdl_inside_cuda_graphs(shape, M, mode):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     mode, _, fused = mode.partition("_")
-    saved = set_knobs(pdl="on", pdl_w8a8_quant=fused or "separate")
+    saved = set_knobs(pdl="on", pdl_w8a8_quant=fused or "separate", k1_in_k2="off")
     try:
         with torch.cuda.graph(graph):
             y = fp8_lora_linear(static_x, q, sw, A, B, meta, mode=mode)

@@ -31,7 +31,7 @@ from rlfp8.kernels.gemm_configs import (GLUON_SCHEDULE, M_BUCKETS, GemmConfig, _
                                         _tuned_table, gemm_config, invariant_gemm_config, reduction_schedule)
 from rlfp8.kernels.gemm_triton import lora_gemm_triton  # noqa: E402
 from rlfp8.kernels.knobs import restore_knobs, set_knobs  # noqa: E402
-from rlfp8.kernels.shrink_triton import lora_shrink_triton  # noqa: E402
+from rlfp8.kernels.shrink_triton import lora_shrink_triton, shrink_programs  # noqa: E402
 from rlfp8.kernels.metadata import build_lora_meta  # noqa: E402
 
 SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (4096, [12288, 12288]),
@@ -53,6 +53,7 @@ def collect() -> list:
         _quantizer_and_projection_launches()
         _tma_orientation_and_widening_launches()
         _rank_and_pdl_launches()
+        _k1_in_k2_launches()
         _tuned_table_launches()
         _invariant_launches()
         _large_rank_launches()
@@ -185,6 +186,21 @@ def _rank_and_pdl_launches(r: int = 64) -> None:
         # W8A8 with x quantized before K1 (knob pdl_w8a8_quant=separate): K2 waits only before its epilogue
         lora_gemm_triton(_e(M, K, dtype=FP8), q, sw, x_scale=torch.empty(M, 1), h=so.h, B=B, meta=meta,
                          use_pdl=True, x_from_primary=False)
+
+
+def _k1_in_k2_launches(r: int = 64) -> None:
+    """Knob k1_in_k2: K1's programs in K2's grid at decode sizes, every projection, W8A16 (plain launch) and W8A8
+    (the quantizer's dependent: early wait, L2 prefetch)."""
+    for name, (K, widths) in SHAPES.items():
+        q, sw = _e(sum(widths), K, dtype=FP8), torch.empty(sum(widths))
+        for M in (1, 16):
+            x, meta = _e(M, K), build_lora_meta(torch.zeros(M, dtype=torch.long), 2)
+            A, B = [_e(2, r, K)] * len(widths), [_e(2, w, r) for w in widths]
+            progs = shrink_programs(x, A, meta, out=torch.empty(len(widths), M, r))
+            lora_gemm_triton(x, q, sw, h=progs.out.h, B=B, meta=meta, shrink=progs)
+            progs = shrink_programs(x, A, None, out=torch.empty(len(widths), M, r))
+            lora_gemm_triton(_e(M, K, dtype=FP8), q, sw, x_scale=torch.empty(M, 1), h=progs.out.h,
+                             B=[b[:1] for b in B], shrink=progs, use_pdl=True)
 
 
 def _tuned_table_launches(S: int = 4, r: int = 64) -> None:

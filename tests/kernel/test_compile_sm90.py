@@ -41,8 +41,9 @@ def test_all_kernels_compile(compiled):
 
 def test_gemms_use_wgmma_with_register_a_in_w8a16(compiled):
     """swap_ab GEMMs (weight rows on the M side) run wgmma, in W8A16 with the widened tile as its register
-    operand; the other orientation runs wgmma from shared memory at >= 64-token tiles and mma.sync below."""
-    gemms = [r for r in compiled if r["name"] == "_lora_gemm_kernel"]
+    operand; the other orientation runs wgmma from shared memory at >= 64-token tiles and mma.sync below. (K2 grids
+    with K1's programs also hold K1's 16-row mma.sync shrink: checked below, not here.)"""
+    gemms = [r for r in compiled if r["name"] == "_lora_gemm_kernel" and not r["constexprs"]["K1_PROGRAMS"]]
     assert len(gemms) >= 20
     swap = [r for r in gemms if r["constexprs"]["SWAP_AB"]]
     noswap = [r for r in gemms if not r["constexprs"]["SWAP_AB"]]
@@ -249,3 +250,16 @@ def test_timeline_stamps_compile_for_the_benchmark():
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     assert {r["name"] for r in rows} == {"_lora_shrink_kernel", "_lora_gemm_kernel"}
     assert all(r["ok"] and r["stamps"] for r in rows), rows
+
+
+def test_k1_in_k2_grids_compile_without_spills(compiled):
+    """Knob k1_in_k2: K2 with K1's programs in its grid compiles for every projection at decode sizes, no
+    spill stack; W8A16 is a plain launch (no wait: the counter replaces it), W8A8 the quantizer's dependent (L2
+    prefetch, then the wait before its main loop)."""
+    fused = [r for r in compiled if r["name"] == "_lora_gemm_kernel" and r["constexprs"]["K1_PROGRAMS"]]
+    assert len(fused) >= 8 and all(r["stack"] == 0 for r in fused), fused
+    assert {r["constexprs"]["K1_SPLIT_K"] for r in fused} >= {8}
+    w8a16 = [r for r in fused if r["constexprs"]["WIDEN_W"]]
+    assert w8a16 and all(not r["gdc_wait"] and not r["launch_pdl"] for r in w8a16)
+    w8a8 = [r for r in fused if r["constexprs"]["HAS_XS"]]
+    assert w8a8 and all(r["gdc_wait"] and r["launch_pdl"] and r["l2_prefetch"] for r in w8a8)

@@ -177,9 +177,12 @@ def test_plans_per_layer_are_bounded(monkeypatch):
     assert len(layer._rlfp8_plans) == 2
 
 
-def test_pdl_launches_replayed_as_recorded():
+@pytest.mark.parametrize("k1_in_k2", ["w8a8", "off"])
+def test_pdl_launches_replayed_as_recorded(k1_in_k2):
     """With PDL resolved on (as on an H200) and the launches collected: the replay's launches are the direct
-    path's, argument by argument (the layer's tensors and the inputs the same objects, buffers alike in layout)."""
+    path's, argument by argument (the layer's tensors and the inputs the same objects, buffers alike in layout):
+    the quantizer and K2 holding K1's programs (knob k1_in_k2, the W8A8 default), or quantizer, K1 and K2."""
+    knobs.set_knobs(k1_in_k2=k1_in_k2)
     layer, x = _layer("w8a8"), torch.randn(5, 64).bfloat16()
     layer.punica_wrapper.token_mapping_meta.prepare(torch.tensor([1, -1, 0, 1, 0]))
     dispatch._pdl_why[(torch.device("cpu"), True)] = None
@@ -188,7 +191,8 @@ def test_pdl_launches_replayed_as_recorded():
         n = len(rec)
         for _ in range(3):
             run_projection(layer, x)
-    assert n == 3 and len(rec) == 4 * n and rec[2][3]["launch_pdl"] is True
+    assert n == (2 if k1_in_k2 == "w8a8" else 3) and len(rec) == 4 * n and rec[n - 1][3]["launch_pdl"] is True
+    assert rec[n - 1][3]["K1_PROGRAMS"] == (k1_in_k2 == "w8a8")
     kept = {id(t) for t in (x, layer.base_layer.weight, layer.base_layer.weight_scale)}
 
     def sig(a):

@@ -92,7 +92,7 @@ def test_projection_launches_k2_as_k1s_dependent(monkeypatch, mode, w8a8_quant, 
     itself, K1 only shrinks, K2 waits before its epilogue, and no quantizer runs."""
     x, q, sw, A, B, _, meta = _problem()
     monkeypatch.setattr(dispatch, "pdl_unavailable", lambda device: None)
-    knobs.set_knobs(pdl_w8a8_quant=w8a8_quant, k2_quant_x_tokens=in_k2)
+    knobs.set_knobs(pdl_w8a8_quant=w8a8_quant, k2_quant_x_tokens=in_k2, k1_in_k2="off")   # K1 in its own launch
     with dispatch.use_backend("triton"), tu.collect_launches() as rec:
         fp8_lora_linear(x, q, sw, A, B, meta, mode=mode)
     k2_quant = mode == "w8a8" and in_k2 >= x.shape[0]
@@ -178,6 +178,16 @@ def test_timeline_benchmark_imports_and_derives_the_verdict():
                             stream_prog0_mainloop_us=4.0))
     assert row["exposed_k1_us"] == 1.5 and row["k1_left_after_k2_start_us"] == 4.5
     assert row["hidden_condition"] is False                    # 4 us of main loop < 4.5 us of K1 left
+    assert row["k1_in_k2_exposed_k1_us"] is None               # no k1_in_k2 arm stamped
+    assert bench.derive(dict(pdl_pair_us=12.0, stream_k2_us=10.5, pdl_k1_us=6.0, pdl_k2_offset_us=1.5,
+                             stream_prog0_mainloop_us=4.0, k1_in_k2_pair_us=11.0))["k1_in_k2_exposed_k1_us"] == 0.5
+    times = [dict(proj="layer", M=M, mode=mode, pdl_over_base=1.16, k1_in_k2_over_base=1.05)
+             for mode in bench.MODES for M in (1, 4, 16)]
+    rows = [dict(M=M, mode=mode, exposed_k1_us=2.5, k1_in_k2_exposed_k1_us=0.25)
+            for mode in bench.MODES for M in (1, 4, 16) for _ in range(4)]
+    acc = bench.acceptance(times, rows)
+    assert {(a["arm"], a["ratio_ok"], a["exposed_k1_layer_us"], a["exposed_ok"]) for a in acc} == {
+        ("pdl", False, 10.0, False), ("k1_in_k2", True, 1.0, True)}
     from rlfp8.kernels.timeline import SLOT_NAMES
     stamps = {n: 1000 * i for i, n in enumerate(SLOT_NAMES, start=1)}
     d = bench._durations(stamps, "pdl")

@@ -1,0 +1,91 @@
+"""Knob k1_in_k2: K1's shrink programs as the first programs of K2's grid (one launch), under the CPU
+interpreter: outputs bit-identical to K1 and K2 in their own launches (W8A16 and W8A8, with and without metadata,
+K1 with and without split-K), the dispatch records, one launch instead of two, the counters reset for the next
+launch, and clear errors for shrink programs that do not fit the call."""
+import pytest
+import torch
+
+from rlfp8.kernels import _triton_utils as tu
+from rlfp8.kernels import dispatch, knobs
+from rlfp8.kernels.gemm_configs import GemmConfig
+from rlfp8.kernels.gemm_triton import lora_gemm_triton
+from rlfp8.kernels.metadata import build_lora_meta
+from rlfp8.kernels.projection import fp8_lora_linear
+from rlfp8.kernels.shrink_triton import shrink_programs
+from tests.conftest import HAS_CUDA
+from tests.kernel.test_pdl_launch import _problem
+
+pytestmark = pytest.mark.skipif(HAS_CUDA, reason="the interpreter's launches (tests/gpu covers the GPU)")
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    saved = knobs.set_knobs()
+    dispatch.reset_report()
+    yield
+    knobs.restore_knobs(saved)
+
+
+def _run(x, q, sw, A, B, meta, mode, tokens):
+    """tokens: the knob k1_in_k2_tokens with k1_in_k2=on, 0 = k1_in_k2=off."""
+    knobs.set_knobs(k1_in_k2="on" if tokens else "off", k1_in_k2_tokens=max(tokens, 1))
+    with dispatch.use_backend("triton"):
+        return fp8_lora_linear(x, q, sw, A, B, meta, mode=mode, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+@pytest.mark.parametrize("with_meta", [True, False])
+@pytest.mark.parametrize("K", [256, 1024])          # K1 without split-K, and with it (split 2)
+def test_outputs_equal_k1_in_its_own_launch(mode, with_meta, K):
+    x, q, sw, A, B, slots, meta = _problem(K=K)
+    if not with_meta:
+        A, B, meta = [a[:1] for a in A], [b[:1] for b in B], None
+    y_own = _run(x, q, sw, A, B, meta, mode, 0)
+    assert "lora_gemm.k1" not in dispatch.report()
+    dispatch.reset_report()
+    y_in = _run(x, q, sw, A, B, meta, mode, 16)
+    rep = dispatch.report()
+    assert rep["lora_gemm.k1"] == {"in_k2": 1} and rep["lora_shrink"] == {"triton": 1}
+    assert torch.equal(y_in, y_own)
+    sync = tu.split_counters("lora_gemm.k1_sync", 2, x.device)
+    assert sync[:2].tolist() == [0, 0]                  # reset by the last GEMM program past the wait
+    assert torch.equal(_run(x, q, sw, A, B, meta, mode, 16), y_own)      # the next launch waits again
+
+
+def test_one_launch_the_token_limit_and_the_default_modes():
+    """The default (k1_in_k2=w8a8): W8A8 calls with an adapter run one K2 launch holding K1's programs (after the
+    quantizer), W8A16 calls K1 in its own launch; above k1_in_k2_tokens, or with k1_in_k2=off, K1 launches alone."""
+    x, q, sw, A, B, slots, meta = _problem(K=1024)
+    assert knobs.knobs().k1_in_k2 == "w8a8" and knobs.knobs().k1_in_k2_tokens == 64
+
+    def kernels(mode):
+        with dispatch.use_backend("triton"), tu.collect_launches() as launches:
+            fp8_lora_linear(x, q, sw, A, B, meta, mode=mode)
+        return [k.fn.__name__ for k, *_ in launches], launches[-1]
+
+    names, (_, grid, _, kw) = kernels("w8a8")
+    assert names == ["_quant_rows_kernel", "_lora_gemm_kernel"] and kw["K1_PROGRAMS"]
+    k1 = shrink_programs(x, A, meta)
+    assert grid[0] > k1.programs and kw["K1_SPLIT_K"] == k1.config.split_k
+    assert kernels("w8a16")[0] == ["_lora_shrink_kernel", "_lora_gemm_kernel"]
+    knobs.set_knobs(k1_in_k2="on")
+    assert kernels("w8a16")[0] == ["_lora_gemm_kernel"]
+    knobs.set_knobs(k1_in_k2_tokens=x.shape[0] - 1)              # more tokens than the limit: two launches again
+    names, (_, _, _, kw) = kernels("w8a16")
+    assert names == ["_lora_shrink_kernel", "_lora_gemm_kernel"] and not kw["K1_PROGRAMS"]
+    knobs.set_knobs(k1_in_k2="off", k1_in_k2_tokens=64)      # (no PDL in the interpreter: K1 quantizes x)
+    assert kernels("w8a8")[0] == ["_lora_shrink_kernel", "_lora_gemm_kernel"]
+    with pytest.raises(ValueError, match=r"kernels\.k1_in_k2='yes'"):
+        knobs.apply_config({"k1_in_k2": "yes"})
+
+
+def test_bad_shrink_programs_are_refused():
+    x, q, sw, A, B, slots, meta = _problem(K=256)
+    progs = shrink_programs(x, A, meta)
+    with pytest.raises(ValueError, match="h = their h"):
+        lora_gemm_triton(x, q, sw, h=torch.zeros_like(progs.out.h), B=B, meta=meta, shrink=progs)
+    with pytest.raises(ValueError, match=r"quantize_x='div' with shrink programs"):
+        lora_gemm_triton(x, q, sw, h=progs.out.h, B=B, meta=meta, shrink=progs, quantize_x="div")
+    none = build_lora_meta(torch.full((x.shape[0],), -1), 2)
+    with pytest.raises(ValueError, match="needs tokens with an adapter"):
+        shrink_programs(x, A, none)
