@@ -19,6 +19,7 @@ PDL_W8A8_QUANT = ("separate", "fused")
 BATCH_INVARIANT = ("auto", "on", "off")
 K1_DECODE_RANK_BLOCKS = (0, 16, 32, 64)
 K1_IN_K2 = ("off", "w8a8", "on")
+K1_DECODE_SPLIT_MAX = (8, 16)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,11 @@ class KernelKnobs:
     # dispatch records "lora_gemm.k1" = in_k2
     k1_in_k2: str = "w8a8"
     k1_in_k2_tokens: int = 64
+    # W8A8's K1 split-K cap at decode sizes (<= 16 tokens; W8A8 with batch_invariant=on excepted): 16 gives the
+    # down projection (K = 12288) 16 programs of 768 K instead of 8 of 1,536 (the W8A8 layer with one adapter
+    # ~1.5% faster on the H100, bench/README.md session 19); lowered where the tile's sum of partials would not
+    # unroll. W8A16 (the matched engine and its trainer) keeps 8. Changes W8A8's h summation order
+    k1_decode_split_max: int = 16
     # K1 at decode sizes (<= 16 tokens): a tile's padding rows (past its adapter's segment: at batch 1, 15 of 16)
     # load no x, as K2's k2_mask_x_rows; False = they re-read a valid row. Same bits (their h is never stored)
     k1_mask_x_rows: bool = False
@@ -121,6 +127,7 @@ ENV_VARS = {
     "RLFP8_K1_MASK_X_ROWS": "k1_mask_x_rows",
     "RLFP8_K1_IN_K2_TOKENS": "k1_in_k2_tokens",
     "RLFP8_K1_IN_K2": "k1_in_k2",
+    "RLFP8_K1_DECODE_SPLIT_MAX": "k1_decode_split_max",
     "RLFP8_ENGINE_GRAPH_QUANT": "engine_graph_quant",
     "RLFP8_BATCH_INVARIANT": "batch_invariant",
     "RLFP8_HOST_FAST": "host_fast",
@@ -129,11 +136,11 @@ ENV_VARS_BY_KNOB = {knob: var for var, knob in ENV_VARS.items()}
 _NAMES = tuple(f.name for f in dataclasses.fields(KernelKnobs))
 _CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "pdl": PDL_MODES, "pdl_w8a8_quant": PDL_W8A8_QUANT,
             "batch_invariant": BATCH_INVARIANT, "k1_decode_rank_block": K1_DECODE_RANK_BLOCKS,
-            "k1_in_k2": K1_IN_K2}
+            "k1_in_k2": K1_IN_K2, "k1_decode_split_max": K1_DECODE_SPLIT_MAX}
 _FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "k2_mask_x_rows", "host_fast", "tuned_nearest", "pdl_quant_k2",
           "k1_mask_x_rows", "engine_graph_quant")
 _COUNTS = ("k2_quant_x_tokens", "k1_in_k2_tokens")
-_INTS = _COUNTS + ("k1_decode_rank_block",)       # read from the environment as ints
+_INTS = _COUNTS + ("k1_decode_rank_block", "k1_decode_split_max")       # read from the environment as ints
 
 
 def _validated(name: str, value, source: str):

@@ -83,13 +83,13 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
     if k1_in_k2:
         from .shrink_triton import shrink_programs
         dispatch.choose("lora_shrink", x)                     # records the Triton path: its programs run in K2
-        gemm_kw["shrink"] = shrink_programs(x, A, meta, out=shrink_out)
+        gemm_kw["shrink"] = shrink_programs(x, A, meta, out=shrink_out, mode=mode)
         h = shrink_out
     elif A is not None:
         # `so` stays referenced until K2 is enqueued: with PDL, K2 runs beside K1, so K1's split-K workspace
         # must not go back to the allocator (and become K2's buffers) before then
         so: ShrinkOut = lora_shrink(x, A, meta, quant=quant if quant_in_k1 else None, out=shrink_out,
-                                    use_pdl=use_pdl and adapter_tokens)
+                                    use_pdl=use_pdl and adapter_tokens, mode=mode)
         h = so.h
         if quant_in_k1:
             x_in, x_scale = so.x_q, so.x_scale

@@ -20,9 +20,10 @@ Triton kernel, one 1-D launch of two kinds of programs:
     order: deterministic, so the engine's call and the trainer's forward produce the same h bit for bit.
 `meta=None` means every token uses slot 0 (the trainer's one-adapter call): no metadata, same arithmetic.
 
-Config (BLOCK_M, BLOCK_K, SPLIT_K) depends on (T, K, r) only (SPLIT_K on (T, K)), never on the adapter
-count or the slices, so a row's h does not depend on which other adapters share the batch or on the rank
-padding of the engine's slots. With the knob batch_invariant (default auto: the W8A16 calls) it does not
+Config (BLOCK_M, BLOCK_K, SPLIT_K) depends on (mode, T, K, r) only (SPLIT_K on (mode, T, K); W8A8's decode
+split above 8 also on the rank, knob k1_decode_split_max), never on the adapter count or the slices, so a
+row's h does not depend on which other adapters share the batch or (W8A16) on the rank padding of the engine's
+slots. With the knob batch_invariant (default auto: the W8A16 calls) it does not
 depend on T either (invariant_shrink_config), so vLLM's chunks of any size give the trainer's h.
 """
 from __future__ import annotations
@@ -55,9 +56,16 @@ class ShrinkConfig:
     num_stages: int = 3
 
 
-def shrink_config(M: int, K: int, r: int) -> ShrinkConfig:
+# K1's split-K cap (shares of K, each >= 512 wide), except W8A8 at decode sizes (the knob k1_decode_split_max)
+SPLIT_MAX = 8
+
+
+def shrink_config(M: int, K: int, r: int, split_max: int = SPLIT_MAX) -> ShrinkConfig:
     """Heuristic per token count. Small T: small row tiles and split-K, so that ~100+ programs each stream a
     short K range (the shrink is a latency problem: at T = 64 it moves ~2 MiB); large T: 64-row tiles.
+    A split_max above SPLIT_MAX (W8A8 at decode sizes) is lowered while the tile's last program could not sum the
+    partials unrolled (a rolled sum waits one L2 round trip per split): that choice reads the rank, which W8A8's
+    engine shares with no trainer.
 
     The split depends on (T, K) only, never on r: the engine's slots are padded to max_lora_rank, the
     trainer's adapter is not, and the same split (= the same summation order) keeps their h bit-identical.
@@ -74,7 +82,9 @@ def shrink_config(M: int, K: int, r: int) -> ShrinkConfig:
     else:
         bk = 64
     m_tiles = cdiv(M, bm)
-    split = max(1, min(K // 512, cdiv(128, m_tiles), 8))
+    split = max(1, min(K // 512, cdiv(128, m_tiles), split_max))
+    while split > SPLIT_MAX and not _unrolled_sum(bm, shrink_rank_block(br, M), split, 4):
+        split //= 2
     iters = cdiv(cdiv(K, bk), split)
     stages = max(1, min(3, iters))
     while stages > 1 and stages * (bm + shrink_rank_block(br)) * bk * 2 > 100 * 1024:
@@ -91,17 +101,24 @@ def invariant_shrink_config(K: int, r: int) -> ShrinkConfig:
     return shrink_config(1, K, r)
 
 
-def _pick_shrink_config(config, M: int, K: int, r: int, quant) -> ShrinkConfig:
-    """The caller's config, else the invariant one (W8A16 = quant None, as gemm_configs.batch_invariant), else
+def _unrolled_sum(block_m: int, rank_block: int, split: int, num_warps: int) -> bool:
+    """The split-K sum unrolled: the partials (BLOCK_M x BR_BLOCK fp32 per split) within ~128 registers/thread."""
+    return block_m * rank_block * (split - 1) <= 128 * 32 * num_warps
+
+
+def _pick_shrink_config(config, M: int, K: int, r: int, mode: str) -> ShrinkConfig:
+    """The caller's config, else the invariant one (knob batch_invariant for this mode: W8A16 by default), else
     the per-T heuristic; dispatch records "lora_shrink.schedule"."""
-    invariant = config is None and batch_invariant("w8a16" if quant is None else "w8a8")
+    invariant = config is None and batch_invariant(mode)
     dispatch.record(f"{OP}.schedule", "explicit" if config is not None else "batch_invariant" if invariant
                     else "tuned")
     if config is not None:
         return config
     if invariant:               # both choices are pure functions of their arguments: chosen once per key
         return cached_launch_config((OP, "invariant", K, r), lambda: invariant_shrink_config(K, r))
-    return cached_launch_config((OP, "per_t", M, K, r), lambda: shrink_config(M, K, r))
+    split_max = knobs().k1_decode_split_max if mode == "w8a8" and M <= 16 else SPLIT_MAX
+    return cached_launch_config((OP, "per_t", M, K, r, split_max, knobs().k1_decode_rank_block),
+                                lambda: shrink_config(M, K, r, split_max))
 
 
 # Ranks per program (a function of BLOCK_R alone): above it a tile's ranks go to several programs (the kernel).
@@ -286,7 +303,13 @@ def _checked_inputs(x, A, meta, quant, out, use_pdl):
 
 def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: str | None = None,
                        out: torch.Tensor | None = None, config: ShrinkConfig | None = None,
-                       use_pdl: bool = False) -> ShrinkOut:
+                       use_pdl: bool = False, mode: str | None = None) -> ShrinkOut:
+    """K1 (module docstring). mode: the projection's, which picks the schedule (_pick_shrink_config); default
+    "w8a8" when K1 quantizes x, else "w8a16"."""
+    mode = mode or ("w8a16" if quant is None else "w8a8")
+    if mode not in ("w8a16", "w8a8") or (quant is not None and mode != "w8a8"):
+        raise ValueError(f"rlfp8.kernels.{OP}: mode {mode!r} with quant {quant!r}: modes 'w8a16', 'w8a8' (K1 "
+                         f"quantizes x in 'w8a8' only)")
     x, A3 = _checked_inputs(x, A, meta, quant, out, use_pdl)
     M, K = x.shape
     dev = x.device
@@ -302,7 +325,7 @@ def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: 
             xq, s = quantize_rows_triton(x, quant, OP)
             xs = s[:, None]
         return ShrinkOut(h, xq, xs)
-    progs = _shrink_layout(x, A3, meta, h, config, quant)
+    progs = _shrink_layout(x, A3, meta, h, config, mode)
     if quant:
         qbm, qbk, _ = _quant_config(M, K)
         n_quant = cdiv(M, qbm)
@@ -354,12 +377,12 @@ def _h_buffer(x, A3, meta, out):
     return alloc((len(A3), x.shape[0], A3[0].shape[1]), dtype=torch.float32, device=x.device)
 
 
-def _shrink_layout(x, A3, meta, h, config, quant) -> ShrinkPrograms:
+def _shrink_layout(x, A3, meta, h, config, mode) -> ShrinkPrograms:
     M, K = x.shape
     S, r, _ = A3[0].shape
     L = len(A3)
     dev = x.device
-    cfg = _pick_shrink_config(config, M, K, r, quant)
+    cfg = _pick_shrink_config(config, M, K, r, mode)
     br = block_r(r)
     m_tiles = cdiv(M, cfg.block_m)
     n_seg = 1 if meta is None else max(meta.num_active, 1)
@@ -372,9 +395,7 @@ def _shrink_layout(x, A3, meta, h, config, quant) -> ShrinkPrograms:
     else:
         md = (meta.token_indices_sorted_by_lora_ids, meta.num_tokens_per_lora, meta.lora_token_start_loc,
               meta.active_lora_ids)
-    # unroll the split-K reduction while the partials (BLOCK_M x BR_BLOCK fp32 per split) stay within ~128
-    # registers per thread
-    red_unroll = cfg.block_m * rb * (cfg.split_k - 1) <= 128 * 32 * cfg.num_warps
+    red_unroll = _unrolled_sum(cfg.block_m, rb, cfg.split_k, cfg.num_warps)
     dispatch.record(f"{OP}.rank_blocks", str(rank_blocks))
     consts = dict(K1_BLOCK_M=cfg.block_m, K1_BLOCK_R=br, K1_BLOCK_K=cfg.block_k, K1_SPLIT_K=cfg.split_k,
                   K1_EVEN_K=K % cfg.block_k == 0, K1_RED_UNROLL=red_unroll, K1_BR_BLOCK=rb,
@@ -384,12 +405,14 @@ def _shrink_layout(x, A3, meta, h, config, quant) -> ShrinkPrograms:
                           md, m_tiles, r, cfg, consts)
 
 
-def shrink_programs(x: torch.Tensor, A, meta: LoRAMeta | None = None,
-                    out: torch.Tensor | None = None) -> ShrinkPrograms:
-    """K1's shrink programs for one call without quantization (K2's grid runs them: knob k1_in_k2_tokens), after
-    the same checks and config choice as lora_shrink_triton. The caller makes sure some token has an adapter."""
+def shrink_programs(x: torch.Tensor, A, meta: LoRAMeta | None = None, out: torch.Tensor | None = None,
+                    mode: str = "w8a16") -> ShrinkPrograms:
+    """K1's shrink programs for one call without quantization (K2's grid runs them: knob k1_in_k2), after the
+    same checks as lora_shrink_triton; the config of the projection's `mode` (W8A16: the batch-invariant
+    schedule the trainer shares by default; W8A8: the per-token-count one). The caller makes sure some token has
+    an adapter."""
     x, A3 = _checked_inputs(x, A, meta, None, out, False)
     if x.shape[0] == 0 or (meta is not None and meta.no_lora):
         raise ValueError(f"rlfp8.kernels.{OP}: shrink_programs needs tokens with an adapter, got x "
                          f"{tuple(x.shape)}{' and metadata without adapters' if meta is not None else ''}")
-    return _shrink_layout(x, A3, meta, _h_buffer(x, A3, meta, out), None, None)
+    return _shrink_layout(x, A3, meta, _h_buffer(x, A3, meta, out), None, mode)

@@ -198,7 +198,7 @@ def _k1_in_k2_launches(r: int = 64) -> None:
             A, B = [_e(2, r, K)] * len(widths), [_e(2, w, r) for w in widths]
             progs = shrink_programs(x, A, meta, out=torch.empty(len(widths), M, r))
             lora_gemm_triton(x, q, sw, h=progs.out.h, B=B, meta=meta, shrink=progs)
-            progs = shrink_programs(x, A, None, out=torch.empty(len(widths), M, r))
+            progs = shrink_programs(x, A, None, out=torch.empty(len(widths), M, r), mode="w8a8")
             lora_gemm_triton(_e(M, K, dtype=FP8), q, sw, x_scale=torch.empty(M, 1), h=progs.out.h,
                              B=[b[:1] for b in B], shrink=progs, use_pdl=True)
 

@@ -44,7 +44,7 @@ def test_the_schedule_never_varies_with_the_token_count(mode, table):
         if mode == "w8a8":
             assert {schedule_of(c) for c in configs} == {sched}, (N, K)
         shrink = {(c.block_m, c.block_k, c.split_k)
-                  for c in (_pick_shrink_config(None, M, K, 64, None if mode == "w8a16" else "div")
+                  for c in (_pick_shrink_config(None, M, K, 64, mode)
                             for M in TOKEN_COUNTS)}
         assert len(shrink) == 1, (N, K, shrink)
     assert reduction_schedule(mode, 6144, 4096) == reduction_schedule(mode, 1024, 4096)       # qkv vs k_proj

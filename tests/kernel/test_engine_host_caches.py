@@ -59,12 +59,12 @@ def test_shrink_config_cache_follows_token_count_and_knob():
     saved = knobs.set_knobs(batch_invariant="off")
     try:
         for M in (4, 64, 300, 4, 64, 300):
-            assert _pick_shrink_config(None, M, 4096, 64, None) == shrink_config(M, 4096, 64)
+            assert _pick_shrink_config(None, M, 4096, 64, "w8a16") == shrink_config(M, 4096, 64)
         assert shrink_config(4, 4096, 64) != shrink_config(300, 4096, 64)
         knobs.set_knobs(batch_invariant="auto")                     # W8A16: invariant; W8A8: per token count
-        assert _pick_shrink_config(None, 300, 4096, 64, None) == invariant_shrink_config(4096, 64)
-        assert _pick_shrink_config(None, 300, 4096, 64, "div") == shrink_config(300, 4096, 64)
-        assert _pick_shrink_config(None, 300, 1024, 16, None) == invariant_shrink_config(1024, 16)
+        assert _pick_shrink_config(None, 300, 4096, 64, "w8a16") == invariant_shrink_config(4096, 64)
+        assert _pick_shrink_config(None, 300, 4096, 64, "w8a8") == shrink_config(300, 4096, 64)
+        assert _pick_shrink_config(None, 300, 1024, 16, "w8a16") == invariant_shrink_config(1024, 16)
     finally:
         knobs.restore_knobs(saved)
 

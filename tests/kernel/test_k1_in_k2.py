@@ -79,6 +79,20 @@ def test_one_launch_the_token_limit_and_the_default_modes():
         knobs.apply_config({"k1_in_k2": "yes"})
 
 
+def test_w8a8_takes_its_decode_schedule_in_both_launches():
+    """W8A8 at decode sizes on a 12288-wide K (the down projection): K1 splits 16 ways (knob k1_decode_split_max)
+    whether it runs in K2's grid or in its own launch, so both give the same bits; W8A16 keeps the trainer's
+    8-way batch-invariant schedule in both."""
+    x, q, sw, A, B, slots, meta = _problem(M=3, K=12288, widths=(32,), r=16)
+    for mode, split in (("w8a8", 16), ("w8a16", 8)):
+        assert shrink_programs(x, A, meta, mode=mode).config.split_k == split
+        knobs.set_knobs(k1_in_k2="off")
+        with dispatch.use_backend("triton"), tu.collect_launches() as launches:
+            fp8_lora_linear(x, q, sw, A, B, meta, mode=mode)
+        assert [kw["SPLIT_K"] for k, _, _, kw in launches if k.fn.__name__ == "_lora_shrink_kernel"] == [split]
+        assert torch.equal(_run(x, q, sw, A, B, meta, mode, 16), _run(x, q, sw, A, B, meta, mode, 0))
+
+
 def test_bad_shrink_programs_are_refused():
     x, q, sw, A, B, slots, meta = _problem(K=256)
     progs = shrink_programs(x, A, meta)

@@ -190,3 +190,34 @@ def test_masked_padding_rows_keep_h(device):
     has = meta.token_lora_mapping >= 0
     for a, b, m in zip(outs[False], outs[True], (meta, meta, None, None)):
         assert torch.equal(a[:, has], b[:, has]) if m is not None else torch.equal(a, b)
+
+
+def test_decode_split_max_knob(device):
+    """Knob k1_decode_split_max: at decode sizes a 12288-wide K splits 16 ways in W8A8 (K1 quantizing) by default
+    and 8 ways at 8, the sum unrolled; W8A16 keeps 8 (the trainer's schedule); a rank-128 tile, whose 16 partials
+    would not unroll, stays at 8; 64 tokens stay at 8. h within fp32 accumulation of the
+    fp64 math every time; a bad value names the knob."""
+    from rlfp8.kernels import knobs
+    from rlfp8.kernels.shrink_triton import invariant_shrink_config, shrink_config
+    M, K, S, r = 3, 12288, 2, 64
+    x, A, slots = _case(M, K, S, r, 1, device)
+    meta = build_lora_meta(slots, S)
+    ref64 = shrink_fp64(x.cpu(), [a.cpu() for a in A], slots.cpu())
+    has = slots >= 0
+    saved = knobs.set_knobs()
+    try:
+        assert knobs.knobs().k1_decode_split_max == 16 and invariant_shrink_config(K, r).split_k == 8
+        assert shrink_config(M, K, r, 16).split_k == 16 and shrink_config(M, K, 128, 16).split_k == 8
+        assert shrink_config(64, K, r, 16).split_k == 8 == shrink_config(M, K, r).split_k
+        for split_max in (16, 8):
+            knobs.set_knobs(k1_decode_split_max=split_max)
+            for quant, split in (("div", split_max), (None, 8)):
+                with tu.collect_launches() as rec:
+                    lora_shrink_triton(x, A, meta, quant=quant)
+                assert rec[0][3]["SPLIT_K"] == split and rec[0][3]["RED_UNROLL"]
+                h = lora_shrink_triton(x, A, meta, quant=quant).h
+                assert rel_err(h[:, has], ref64[:, has.cpu()]) < 1e-5
+        with pytest.raises(ValueError, match=r"kernels\.k1_decode_split_max=12.*\(8, 16\)"):
+            knobs.apply_config({"k1_decode_split_max": 12})
+    finally:
+        knobs.restore_knobs(saved)
