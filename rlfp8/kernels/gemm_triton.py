@@ -846,7 +846,7 @@ _NO_K1 = dict(K1_PROGRAMS=False, K1_BLOCK_M=16, K1_BLOCK_R=16, K1_BLOCK_K=16, K1
 def _k1_block(shrink: ShrinkPrograms | None, consumers: int, dummy) -> tuple[tuple, dict]:
     """K2's K1 arguments (pointers, counts, strides) and constexprs: the shrink programs' or placeholders.
     `consumers`: how many GEMM programs reach the epilogue (the last of them resets the counters)."""
-    if shrink is None:
+    if shrink is None:          # the kernel's 11 k1_* pointers and 8 k1_* counts/strides, unused
         return (dummy,) * 11 + (0,) * 8, _NO_K1
     dispatch.record(f"{OP}.k1", "in_k2")
     sync = split_counters(f"{OP}.k1_sync", 2, dummy.device)     # [K1 programs done, GEMM programs past the wait]
