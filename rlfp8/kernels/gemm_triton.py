@@ -776,7 +776,7 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
                      x_from_primary: bool = True, quantize_x: str | None = None,
                      shrink: ShrinkPrograms | None = None) -> torch.Tensor:
     """K2 (module docstring). `shrink`: K1's programs of this call (shrink_triton.shrink_programs, h = its h),
-    run as the first programs of this grid (knob k1_in_k2_tokens, projection.fp8_lora_linear)."""
+    run as the first programs of this grid (knob k1_in_k2, projection.fp8_lora_linear)."""
     mode, slices = check_lora_gemm_args(x, q, w_scale, x_scale, h, B, meta, g, bias, out_dtype, quantize_x)
     _check_launch(x, mode, lora_precision, use_pdl, q)
     M, K = x.shape

@@ -67,8 +67,9 @@ def shrink_config(M: int, K: int, r: int, split_max: int = SPLIT_MAX) -> ShrinkC
     partials unrolled (a rolled sum waits one L2 round trip per split): that choice reads the rank, which W8A8's
     engine shares with no trainer.
 
-    The split depends on (T, K) only, never on r: the engine's slots are padded to max_lora_rank, the
-    trainer's adapter is not, and the same split (= the same summation order) keeps their h bit-identical.
+    Up to SPLIT_MAX the split depends on (T, K) only, never on r: the engine's slots are padded to
+    max_lora_rank, the trainer's adapter is not, and the same split (= the same summation order) keeps their h
+    bit-identical.
     BLOCK_M depends on T only (it picks the MMA instruction); BLOCK_K only regroups the k16 MMA steps, which
     every dot issues in k order.
     num_stages never exceeds the iterations of one split (2 iterations need 2 buffers, not 3), which keeps
@@ -148,7 +149,7 @@ def _shrink_program(
 ):
     """Shrink program p (split index fastest, then rank block, row tile, slice, segment) of K1: h for its rows
     and ranks, or its split's partial (the tile's last program sums them). Does nothing unless is_shrink.
-    Runs in K1's own kernel and, with the knob k1_in_k2_tokens, as the first programs of K2's grid
+    Runs in K1's own kernel and, with the knob k1_in_k2, as the first programs of K2's grid
     (gemm_triton): the same code and config, so the same h bit for bit."""
     # above rank 128 (and at decode sizes with the knob k1_decode_rank_block) a tile's ranks are cut into blocks of
     # BR_BLOCK, one program each (next to each other, so they read the same x rows from L2): the [BLOCK_M,
@@ -332,17 +333,14 @@ def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: 
     else:
         qbm, qbk, n_quant = 1, 16, 0
     cfg = progs.config
-    k1 = progs.consts
     launch(_lora_shrink_kernel, (n_quant + progs.programs,),
            x, *progs.a3, h, xq if quant else h, xs if quant else h, progs.ws, progs.cnt, *progs.segments,
            M, K, progs.rank, progs.m_tiles, n_quant, x.stride(0), x.stride(1), *progs.a3[0].stride(),
            h.stride(0), h.stride(1), h.stride(2),
            xq.stride(0) if quant else 0, xq.stride(1) if quant else 0, xs.stride(0) if quant else 0,
-           BLOCK_M=cfg.block_m, BLOCK_R=k1["K1_BLOCK_R"], BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+           **{name.removeprefix("K1_"): v for name, v in progs.consts.items()},     # BLOCK_M, ..., STAGES
            N_SLICES=len(A3), ALL_SLOT0=meta is None, QUANT=ROUNDING_CODE[quant] if quant else 0, QBLOCK_M=qbm,
-           QBLOCK_K=qbk, EVEN_K=k1["K1_EVEN_K"], RED_UNROLL=k1["K1_RED_UNROLL"], USE_PDL=use_pdl,
-           BR_BLOCK=k1["K1_BR_BLOCK"], MASK_ROWS=k1["K1_MASK_ROWS"], STAGES=cfg.num_stages,
-           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+           QBLOCK_K=qbk, USE_PDL=use_pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     # K1 itself is launched in stream order (it reads x at once and has no gdc_wait); use_pdl only makes it
     # trigger its dependent K2. The workspace is returned so that the caller keeps it alive until K2 is
     # enqueued: K2 then runs beside K1 and must not get this memory from the allocator.
@@ -352,8 +350,8 @@ def lora_shrink_triton(x: torch.Tensor, A, meta: LoRAMeta | None = None, quant: 
 @dataclass
 class ShrinkPrograms:
     """One call's shrink programs (no quantization) as launch arguments of `_shrink_program`: K1's own launch
-    takes them, and so does K2's grid where K1 runs as its first programs (knob k1_in_k2_tokens, gemm_triton).
-    `consts` are the K1_* constexprs; `out` holds h and the split-K workspace (keep it alive until the launch
+    takes them, and so does K2's grid where K1 runs as its first programs (knob k1_in_k2, gemm_triton).
+    `consts` are the K1_* constexprs (K1's kernel takes them without the prefix); `out` holds h and the split-K workspace (keep it alive until the launch
     is enqueued)."""
     out: ShrinkOut
     programs: int
@@ -379,7 +377,7 @@ def _h_buffer(x, A3, meta, out):
 
 def _shrink_layout(x, A3, meta, h, config, mode) -> ShrinkPrograms:
     M, K = x.shape
-    S, r, _ = A3[0].shape
+    _, r, _ = A3[0].shape
     L = len(A3)
     dev = x.device
     cfg = _pick_shrink_config(config, M, K, r, mode)
