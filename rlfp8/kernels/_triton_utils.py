@@ -144,6 +144,31 @@ def max_shared_mem(device, cpu_stand_in: int) -> int:
     return _MAX_SMEM[idx]
 
 
+_SMS: dict[int, int] = {}
+SMEM_PER_BLOCK_RESERVED = 1024     # sm_80+: shared memory the driver reserves per resident block
+
+
+def device_sms(device, cpu_stand_in: int) -> int:
+    """The multiprocessor count of a CUDA device (Triton's driver); `cpu_stand_in` for CPU tensors."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return cpu_stand_in
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        from triton.runtime import driver
+        _SMS[idx] = int(driver.active.utils.get_device_properties(idx)["multiprocessor_count"])
+    return _SMS[idx]
+
+
+def programs_per_sm(smem: int, num_warps: int, max_shared: int, regs_per_thread: int) -> int:
+    """How many programs of one launch an SM holds (sm_90): by shared memory (the SM's is the per-block limit
+    plus one block's reservation), by threads (2048) and by registers (64K, allocated per warp in units of 256)."""
+    per_sm = max_shared + SMEM_PER_BLOCK_RESERVED
+    per_warp = -(-regs_per_thread * 32 // 256) * 256
+    return max(0, min(per_sm // (smem + SMEM_PER_BLOCK_RESERVED), 2048 // (32 * num_warps),
+                      65536 // (per_warp * num_warps), 32))
+
+
 _counter_cache: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 

@@ -75,16 +75,19 @@ weight shape (gemm_configs.invariant_gemm_config), so vLLM's chunks of any size 
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from . import dispatch
-from ._triton_utils import (cdiv, check_pdl, check_tensor, launch, max_shared_mem,
+from ._triton_utils import (cdiv, check_pdl, check_tensor, device_sms, launch, max_shared_mem, programs_per_sm,
                             require_triton_device, split_counters)
-from .gemm_configs import (GLUON_SCHEDULE, M_BUCKETS, SM90_MAX_SMEM, WIDENINGS, GemmConfig, batch_invariant,
-                           block_r, cached_launch_config, config_source, fit_smem, gemm_config_and_source,
-                           invariant_gemm_config, m_bucket, rank_chunk, same_sums)
+from .gemm_configs import (GLUON_SCHEDULE, M_BUCKETS, NUM_SMS_HINT, SM90_MAX_SMEM, WIDENINGS, GemmConfig,
+                           batch_invariant, block_r, cached_launch_config, config_source, fit_smem,
+                           gemm_config_and_source, invariant_gemm_config, m_bucket, rank_chunk, same_sums, smem_bytes)
 from .knobs import knobs
 from .gemm_ref import check_lora_gemm_args
 from .fp8_triton import ROUNDING_CODE, _quant_codes, _rows_scale
@@ -672,6 +675,37 @@ def _fit_to_device(cfg, mode, rank, device) -> GemmConfig:
     return fitted
 
 
+K1_IN_K2_MIN_STAGES = 3
+# registers per thread of K2's grids with K1's programs, at most (tests/kernel/test_compile_sm90.py holds the
+# compiled decode grids to these): what _one_wave counts against the SM's 64K
+K1_IN_K2_REGS = {"w8a8": 128, "w8a16": 168}
+
+
+def _one_wave(cfg: GemmConfig, mode: str, rank: int, programs: int, device) -> GemmConfig:
+    """K1 in K2's grid (knob k1_in_k2_one_wave): cfg with fewer pipeline stages (not below K1_IN_K2_MIN_STAGES)
+    where its `programs` (GEMM + K1) would not all be resident at once. K1's programs hold a GEMM program's
+    shared memory each, and a GEMM program left out of the first wave starts only when one of them ends, K1's
+    latency then lying on the GEMM's critical path. Stages only deepen the pipeline: the sums are the same.
+    dispatch records "lora_gemm.k1_wave" = one | fewer_stages | two."""
+    fitted, verdict = _one_wave_config(cfg, mode, rank, programs, max_shared_mem(device, SM90_MAX_SMEM),
+                                       device_sms(device, NUM_SMS_HINT))
+    dispatch.record(f"{OP}.k1_wave", verdict)
+    return fitted
+
+
+@functools.lru_cache(maxsize=1024)      # per launch on the decode path; configs are frozen (hashable)
+def _one_wave_config(cfg: GemmConfig, mode: str, rank: int, programs: int, max_shared: int, sms: int):
+    def waves(c):
+        per_sm = programs_per_sm(smem_bytes(c, mode, rank), c.num_warps, max_shared, K1_IN_K2_REGS[mode])
+        return cdiv(programs, max(1, sms * per_sm))
+    fitted = cfg
+    while waves(fitted) > 1 and fitted.num_stages > K1_IN_K2_MIN_STAGES:
+        fitted = dataclasses.replace(fitted, num_stages=fitted.num_stages - 1)
+    if waves(fitted) > 1:
+        return cfg, "two"                     # fewer stages would not bring it to one wave: keep the tuned pipeline
+    return fitted, "one" if fitted == cfg else "fewer_stages"
+
+
 def _split_k_buffers(cfg, m_tiles, n_tiles, dist_red, out):
     """(partials workspace, tile counters) for split-K; unused placeholders without it."""
     if cfg.split_k == 1:
@@ -815,6 +849,8 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     w_arg, w_tma = _w_operand(q, cfg)
     x_arg, x_tma = _x_operand(x, cfg, gather, quantize_x)
     programs = m_tiles * n_tiles * cfg.split_k
+    if shrink is not None and config is None and knobs().k1_in_k2_one_wave:
+        cfg = _one_wave(cfg, mode, r, programs + shrink.programs, x.device)
     k1_args, k1_consts = _k1_block(shrink, programs if cfg.split_k == 1 or dist_red else m_tiles * n_tiles, dummy)
     launch(_lora_gemm_kernel, (programs + (shrink.programs if shrink is not None else 0),),
            w_arg, x_arg, out, w_scale if w_scale is not None else dummy, x_scale if x_scale is not None else dummy,

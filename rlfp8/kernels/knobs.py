@@ -82,6 +82,12 @@ class KernelKnobs:
     # dispatch records "lora_gemm.k1" = in_k2
     k1_in_k2: str = "w8a8"
     k1_in_k2_tokens: int = 64
+    # K1 in K2's grid: where K1's programs push the grid past what the GPU holds at once (they take K2's shared
+    # memory each: the down projection's 128 + 16 programs on 132 SMs at one program per SM), K2's pipeline gets
+    # fewer stages (down to 3) until the whole grid is resident in one wave, so no GEMM program waits for K1's to
+    # leave their SMs. False = the config as chosen (A/B timing). Same bits (stages do not change the sums);
+    # dispatch records "lora_gemm.k1_wave" = one | fewer_stages | two
+    k1_in_k2_one_wave: bool = True
     # W8A8's K1 split-K cap at decode sizes (<= 16 tokens; W8A8 with batch_invariant=on excepted): 16 gives the
     # down projection (K = 12288) 16 programs of 768 K instead of 8 of 1,536 (the W8A8 layer with one adapter
     # ~1.5% faster on the H100, bench/README.md session 19); lowered where the tile's sum of partials would not
@@ -127,6 +133,7 @@ ENV_VARS = {
     "RLFP8_K1_MASK_X_ROWS": "k1_mask_x_rows",
     "RLFP8_K1_IN_K2_TOKENS": "k1_in_k2_tokens",
     "RLFP8_K1_IN_K2": "k1_in_k2",
+    "RLFP8_K1_IN_K2_ONE_WAVE": "k1_in_k2_one_wave",
     "RLFP8_K1_DECODE_SPLIT_MAX": "k1_decode_split_max",
     "RLFP8_ENGINE_GRAPH_QUANT": "engine_graph_quant",
     "RLFP8_BATCH_INVARIANT": "batch_invariant",
@@ -138,7 +145,7 @@ _CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "pdl": PDL_MODE
             "batch_invariant": BATCH_INVARIANT, "k1_decode_rank_block": K1_DECODE_RANK_BLOCKS,
             "k1_in_k2": K1_IN_K2, "k1_decode_split_max": K1_DECODE_SPLIT_MAX}
 _FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "k2_mask_x_rows", "host_fast", "tuned_nearest", "pdl_quant_k2",
-          "k1_mask_x_rows", "engine_graph_quant")
+          "k1_mask_x_rows", "engine_graph_quant", "k1_in_k2_one_wave")
 _COUNTS = ("k2_quant_x_tokens", "k1_in_k2_tokens")
 _INTS = _COUNTS + ("k1_decode_rank_block", "k1_decode_split_max")       # read from the environment as ints
 

@@ -97,3 +97,21 @@ def test_k1_in_k2_inside_cuda_graphs(shape, M, mode):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y_static, _run(False, mode, x, *p[1:])), f"replay {i}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("M", (1, 16))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_one_wave_stages_keep_the_bits(shape, M, mode):
+    """Knob k1_in_k2_one_wave (fewer pipeline stages where K1's programs would push the grid into a second wave):
+    the same bits as the tuned stages, and the dispatch says which it ran."""
+    p = _problem(shape, M, adapters=4)
+    knob = dict(pdl="on", k1_in_k2="on")
+    y_tuned = projection_with(dict(knob, k1_in_k2_one_wave=False), mode, *p)
+    dispatch.reset_report()
+    y_one = projection_with(dict(knob, k1_in_k2_one_wave=True), mode, *p)
+    torch.cuda.synchronize()
+    wave = dispatch.report()["lora_gemm.k1_wave"]
+    print(f"\n[one_wave] {shape} M={M} {mode}: {wave}")
+    assert sum(wave.values()) == 1 and set(wave) <= {"one", "fewer_stages", "two"}
+    assert y_one.abs().sum() > 0 and torch.equal(y_one, y_tuned)

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlfp8.kernels.gemm_triton import K1_IN_K2_REGS
+
 ROOT = Path(__file__).resolve().parents[2]
 SMEM_MAX = 232448
 
@@ -258,6 +260,10 @@ def test_k1_in_k2_grids_compile_without_spills(compiled):
     prefetch, then the wait before its main loop)."""
     fused = [r for r in compiled if r["name"] == "_lora_gemm_kernel" and r["constexprs"]["K1_PROGRAMS"]]
     assert len(fused) >= 8 and all(r["stack"] == 0 for r in fused), fused
+    # gemm_triton._one_wave counts programs per SM with K1_IN_K2_REGS registers per thread: never fewer than used
+    over = [(r["regs"], r["constexprs"]["WIDEN_W"]) for r in fused
+            if r["regs"] > K1_IN_K2_REGS["w8a16" if r["constexprs"]["WIDEN_W"] else "w8a8"]]
+    assert not over, over
     assert {r["constexprs"]["K1_SPLIT_K"] for r in fused} >= {8, 16}        # W8A8's decode split (down: 16)
     assert all(r["constexprs"]["K1_RED_UNROLL"] for r in fused)
     w8a16 = [r for r in fused if r["constexprs"]["WIDEN_W"]]

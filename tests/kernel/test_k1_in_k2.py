@@ -2,13 +2,16 @@
 interpreter: outputs bit-identical to K1 and K2 in their own launches (W8A16 and W8A8, with and without metadata,
 K1 with and without split-K), the dispatch records, one launch instead of two, the counters reset for the next
 launch, and clear errors for shrink programs that do not fit the call."""
+import dataclasses
+
 import pytest
 import torch
 
 from rlfp8.kernels import _triton_utils as tu
 from rlfp8.kernels import dispatch, knobs
 from rlfp8.kernels.gemm_configs import GemmConfig
-from rlfp8.kernels.gemm_triton import lora_gemm_triton
+from rlfp8.kernels import gemm_triton
+from rlfp8.kernels.gemm_triton import _one_wave_config, lora_gemm_triton
 from rlfp8.kernels.metadata import build_lora_meta
 from rlfp8.kernels.projection import fp8_lora_linear
 from rlfp8.kernels.shrink_triton import shrink_programs
@@ -91,6 +94,53 @@ def test_w8a8_takes_its_decode_schedule_in_both_launches():
             fp8_lora_linear(x, q, sw, A, B, meta, mode=mode)
         assert [kw["SPLIT_K"] for k, _, _, kw in launches if k.fn.__name__ == "_lora_shrink_kernel"] == [split]
         assert torch.equal(_run(x, q, sw, A, B, meta, mode, 16), _run(x, q, sw, A, B, meta, mode, 0))
+
+
+# the tuned W8A8 decode configs (<= 16 tokens) of the Qwen3-8B down and gate_up projections on the H200
+DOWN_DECODE = GemmConfig(block_n=64, block_m=16, block_k=256, split_k=2, group_m=8, num_warps=4, num_stages=6,
+                         w_tma=True, widen="bits", swap_ab=True, x_tma=False)
+GATE_UP_DECODE = GemmConfig(block_n=64, block_m=16, block_k=128, split_k=1, group_m=8, num_warps=4, num_stages=6,
+                            w_tma=False, widen="bits", swap_ab=True, x_tma=False)
+
+
+def test_one_wave_takes_stages_off_where_k1_programs_overflow_the_first_wave():
+    """Knob k1_in_k2_one_wave on sm_90's numbers (227 KiB per block, 132 SMs): down's 128 GEMM programs and K1's
+    16 hold 121 KiB each, one per SM: 144 on 132 slots; with 5 stages two fit per SM. gate_up's 384 + 16 at 61 KiB,
+    three per SM: 400 on 396; with 5 stages four fit. A grid that already fits keeps its config; one that no stage
+    count brings to one wave keeps it too."""
+    smem, sms = 232448, 132
+    for cfg, programs in ((DOWN_DECODE, 128 + 16), (GATE_UP_DECODE, 384 + 16)):
+        fitted, verdict = _one_wave_config(cfg, "w8a8", 64, programs, smem, sms)
+        assert (fitted.num_stages, verdict) == (5, "fewer_stages")
+        assert dataclasses.replace(fitted, num_stages=6) == cfg           # only the pipeline's depth changes
+        assert _one_wave_config(cfg, "w8a8", 64, programs - 16, smem, sms) == (cfg, "one")   # K1 in its own launch
+    assert _one_wave_config(DOWN_DECODE, "w8a8", 64, 4 * 132 + 1, smem, sms) == (DOWN_DECODE, "two")
+    assert tu.programs_per_sm(122928, 4, smem, 128) == 1 and tu.programs_per_sm(102448, 4, smem, 128) == 2
+    assert tu.programs_per_sm(51200, 4, smem, 128) == 4 and tu.programs_per_sm(51200, 4, smem, 168) == 3
+
+
+def test_one_wave_in_the_launch_and_the_knob_off(monkeypatch):
+    """On a 7-SM stand-in the W8A8 grid (20 programs, 2 per SM by shared memory at its 5 stages) fits one wave
+    with 3 stages (3 per SM): the launch with K1 in its grid takes them and records it; knob off: the config's
+    stages. Same bits."""
+    x, q, sw, A, B, slots, meta = _problem(K=1024)
+    monkeypatch.setattr(gemm_triton, "device_sms", lambda device, stand_in: 7)
+
+    def launch(one_wave):
+        knobs.set_knobs(k1_in_k2_one_wave=one_wave)
+        dispatch.reset_report()
+        y = _run(x, q, sw, A, B, meta, "w8a8", 16)
+        wave = dispatch.report().get("lora_gemm.k1_wave")
+        with tu.collect_launches() as launches:                 # (captured, not run)
+            _run(x, q, sw, A, B, meta, "w8a8", 16)
+        (kw,) = [kw for k, _, _, kw in launches if k.fn.__name__ == "_lora_gemm_kernel"]
+        return y, kw["num_stages"], wave
+
+    y_on, stages_on, wave_on = launch(True)
+    y_off, stages_off, wave_off = launch(False)
+    assert wave_off is None and wave_on == {"fewer_stages": 1}
+    assert (stages_on, stages_off) == (3, 5)
+    assert torch.equal(y_on, y_off)
 
 
 def test_bad_shrink_programs_are_refused():
