@@ -25,8 +25,8 @@
 #            layer/GEMM rows without training rows, in one call; the table to $OUT/r
 #   k1_in_k2 the GPU tests of knob k1_in_k2, then bench/pdl_timeline.py (its k1_in_k2 arm beside base/stream/pdl)
 #   knob_ab  bench/lab/projection_knob_ab.py for the decode-path knobs (k1_decode_rank_block, k1_mask_x_rows,
-#            pdl_quant_k2, k2_quant_x_tokens): each knob's arms as paired CUDA graphs on the engine projection, bits
-#            compared
+#            pdl_quant_k2, k2_quant_x_tokens, k2_prefetch_epilogue): each knob's arms as paired CUDA graphs on the
+#            engine projection, bits compared
 #   recompute  bench/lab/recompute_cost.py: the FP8 trainer alone on RC_LAYERS (16) Qwen3-32B layers, 8 x 4k rows,
 #            every layer checkpointed vs trainer.gradient_checkpointing=auto (~2 min); $OUT/r/recompute_cost_h200.json
 #   placements_8b   one call: the same at the Qwen3-8B shape, 1k-token rollouts, all five configurations
@@ -224,12 +224,13 @@ k1_in_k2)  # ~2 min + ~50 s per variant, no kit needed: knob k1_in_k2's GPU test
         grep -E "acceptance" "$OUT/pdl_timeline_$label.log" | grep k1_in_k2 | cut -c1-200
     done
     ;;
-knob_ab)  # ~5 min: A/B of the decode-path knobs on the engine projection (bench/lab/projection_knob_ab.py: paired
+knob_ab)  # ~6 min: A/B of the decode-path knobs on the engine projection (bench/lab/projection_knob_ab.py: paired
           # CUDA graphs, bits compared), one file per knob in $OUT/r (KNOB_AB: "a|b|modes;..." to choose others)
     mkdir -p "$OUT/r"
     d="k1_decode_rank_block=0|k1_decode_rank_block=16|w8a8,w8a16;k1_mask_x_rows=false|k1_mask_x_rows=true|w8a8,w8a16"
     d="$d;k1_decode_rank_block=0|k1_decode_rank_block=16,k1_mask_x_rows=true|w8a8,w8a16"
     d="$d;pdl_quant_k2=false|pdl_quant_k2=true|w8a8;k2_quant_x_tokens=0|k2_quant_x_tokens=16|w8a8"
+    d="$d;k2_prefetch_epilogue=false|k2_prefetch_epilogue=true|w8a8,w8a16"
     IFS=';' read -ra abs <<< "${KNOB_AB:-$d}"
     for ab in "${abs[@]}"; do
         IFS='|' read -r a b modes <<< "$ab"; name=${b//=/_}; name=${name//,/_and_}

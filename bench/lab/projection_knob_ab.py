@@ -32,7 +32,8 @@ from rlfp8.kernels.knobs import restore_knobs, set_knobs  # noqa: E402
 PROJ = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (12288, 12288)),
         "down": (12288, (4096,))}                                     # K, output slices
 RANK = 64
-PATH_KEYS = ("lora_gemm.x_quant", "lora_gemm.launch", "lora_gemm.pdl_wait", "lora_gemm.config")
+PATH_KEYS = ("lora_gemm.x_quant", "lora_gemm.launch", "lora_gemm.pdl_wait", "lora_gemm.config",
+             "lora_gemm.prefetch_epilogue")
 T0 = time.time()
 
 

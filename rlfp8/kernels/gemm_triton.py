@@ -50,6 +50,10 @@ Kernel strategy (Hopper):
     (per-slot masked loads, fewest registers); more than one adapter (PIPE_SLOTS: h loaded once per slice,
     the next slot's B tile prefetched, so a tile with 16-32 slots waits for one memory round trip instead of
     two per slot).
+  * decode (<= 16 tokens, knob k2_prefetch_epilogue): the epilogue's operands that K1 does not write (s_w, s_x,
+    the rows' slots, the first slot's B tile at rank <= 64 without the slot pipeline) are loaded before the main
+    loop, after any early PDL wait, and held in registers, so their DRAM round trips overlap the main loop instead
+    of following it (and the wait for h). Same values, same arithmetic: the same bits.
   * the wait point for h is explicit: with USE_PDL a `gdc_wait()` sits right before the epilogue reads h
     (before the main loop in W8A8 when its x_q also comes from K1: PDL_WAIT_EARLY), so K2 launched as K1's programmatic
     dependent (rlfp8.kernels.projection) overlaps K1 with its main loop. In W8A8 the first-wave programs
@@ -224,6 +228,9 @@ def _rows_amax(x_ptr, rows64, m_ok, K, stride_xm, stride_xk, BLOCK_M: tl.constex
     return tl.max(amax, axis=1)
 
 
+# calls of at most this many tokens (decode) load the epilogue's weight-side operands before the main loop (knob
+# k2_prefetch_epilogue)
+PREFETCH_EPI_TOKENS = 16
 _PIPE_SLOTS_OVERRIDE: bool | None = None     # tests only: force the multi-adapter epilogue variant on or off
 _BIG = tl.constexpr(1 << 30)    # "no more slots" sentinel (kernels may only read constexpr globals)
 
@@ -272,6 +279,8 @@ def _lora_gemm_kernel(
                                 # fast accumulation as CUTLASS's FastAccum; an int promotes every FP8_ACC k)
     QUANT_X: tl.constexpr,      # W8A8 on 16-bit x: 0 = x is e4m3 codes + x_scale; 1 ("div") / 2 ("recip") = the
                                 # program quantizes its x tiles per token itself (fp8_triton's arithmetic)
+    PREFETCH_EPI: tl.constexpr, # decode (knob k2_prefetch_epilogue): the epilogue's operands that K1 does not write
+                                # are loaded before the main loop (see there)
     K1_PROGRAMS: tl.constexpr,  # the grid's first k1_programs programs are K1's shrink (knob k1_in_k2): the GEMM's
                                 # programs wait on K1's counter k1_sync_ptr[0] before the epilogue
     K1_BLOCK_M: tl.constexpr, K1_BLOCK_R: tl.constexpr, K1_BLOCK_K: tl.constexpr, K1_SPLIT_K: tl.constexpr,
@@ -333,6 +342,54 @@ def _lora_gemm_kernel(
             stamp(pid == 0, K2_WAIT_ENTER, False)
             tl.extra.cuda.gdc_wait()
             stamp(pid == 0, K2_WAIT_EXIT, False)
+
+    # ---- PREFETCH_EPI: at decode sizes the main loop is short and the epilogue's DRAM round trips after it are a
+    # large part of the program, so what K1 does not write is loaded here (after the early wait: sx may come from the
+    # PDL primary) and held in registers: the same values the epilogue's own loads would give. sw always; sx and the
+    # rows' slots where the epilogue keeps these rows (a distributed split-K sum recomputes them per program); the
+    # first slot's B tile in the one-chunk epilogues (rank <= 64) without the slot pipeline
+    PREFETCH_ROWS: tl.constexpr = PREFETCH_EPI and not (SPLIT_K > 1 and DIST_RED)
+    PREFETCH_B: tl.constexpr = (PREFETCH_EPI and HAS_LORA and _rank_chunk(BLOCK_R) == BLOCK_R
+                                and (ALL_SLOT0 or (PREFETCH_ROWS and not PIPE_SLOTS)))
+    if PREFETCH_EPI:
+        if SCALE_W == 1:
+            sw = tl.load(sw_ptr + n_ld)
+        if PREFETCH_ROWS:
+            if HAS_XS:
+                if not QUANT_X:
+                    sx = tl.load(sx_ptr + rows64)
+            if HAS_LORA:
+                if not ALL_SLOT0:
+                    slots = tl.load(slot_ptr + rows64, mask=m_ok, other=-1)
+        if PREFETCH_B:
+            # the B tile of the slice holding the tile's first column: the elements the slice loop loads for that
+            # slice and the first slot (a tile straddling two slices loads the second one's in the loop, as before).
+            # The slot's offset goes into the row pointer and its "none" into the column mask, so that no [BN, BR]
+            # pointer or mask is shared with the epilogue's (held across the main loop, it cost registers)
+            tile_lo = pid_n * BLOCK_N
+            if N_SLICES == 1:
+                first_lo = 0
+                first_hi = end0
+                first_b = b0_ptr
+                first_bs = stride_bs0
+            else:
+                first_slice = (tile_lo >= end0).to(tl.int32) + (tile_lo >= end1).to(tl.int32)   # (ends past L: N)
+                first_lo = tl.where(first_slice == 0, 0, tl.where(first_slice == 1, end0, end1))
+                first_hi = tl.where(first_slice == 0, end0, tl.where(first_slice == 1, end1, N))
+                first_b = tl.where(first_slice == 0, b0_ptr, tl.where(first_slice == 1, b1_ptr, b2_ptr))
+                first_bs = tl.where(first_slice == 0, stride_bs0, tl.where(first_slice == 1, stride_bs1, stride_bs2))
+            offs_r = tl.arange(0, BLOCK_R)
+            if ALL_SLOT0:
+                first_row = first_b
+                first_cols = (offs_n >= first_lo) & (offs_n < first_hi)
+            else:
+                # the while loop's first slot (none: the tile's rows have no adapter, nothing to load)
+                first_slot = tl.min(tl.where(slots >= 0, slots, _BIG))
+                first_row = first_b + tl.where(first_slot < _BIG, first_slot, 0).to(tl.int64) * first_bs
+                first_cols = (offs_n >= first_lo) & (offs_n < first_hi) & (first_slot < _BIG)
+            first_col = tl.where(first_cols, offs_n - first_lo, 0).to(tl.int64)
+            bt_first = tl.load(first_row + first_col[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                               mask=first_cols[:, None] & (offs_r < R)[None, :], other=0.0)
 
     # ---- main loop over this split's K range (whole BLOCK_K chunks)
     k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
@@ -461,10 +518,11 @@ def _lora_gemm_kernel(
     if HAS_XS:
         if QUANT_X:
             sx = x_scale                                        # the whole tile's tokens (no DIST_RED)
-        else:
+        elif not PREFETCH_ROWS:
             sx = tl.load(sx_ptr + rows64)
     if SCALE_W == 1:
-        sw = tl.load(sw_ptr + n_ld)
+        if not PREFETCH_EPI:
+            sw = tl.load(sw_ptr + n_ld)
         if HAS_XS:
             acc = acc * (sw[:, None] * sx[None, :])
         else:
@@ -492,7 +550,7 @@ def _lora_gemm_kernel(
     if HAS_LORA:
         if ALL_SLOT0:
             slots = tl.where(m_ok, 0, -1)
-        else:
+        elif not PREFETCH_ROWS:
             slots = tl.load(slot_ptr + rows64, mask=m_ok, other=-1)          # [BM] slot per row
         # the rank in chunks of _rank_chunk(BLOCK_R) (one chunk up to rank 64): h and B are loaded and multiplied
         # chunk by chunk, so registers and shared memory hold [BR_CHUNK, BM] + [BN, BR_CHUNK], not the whole rank
@@ -528,7 +586,10 @@ def _lora_gemm_kernel(
                     # one slot for every row (the trainer): no loop
                     if BR_CHUNK == BLOCK_R:
                         hT = tl.load(h_tile, mask=m_ok[None, :] & r_ok[:, None], other=0.0)      # [BR, BM] fp32
-                        bt = tl.load(b_tile, mask=b_mask, other=0.0)
+                        if PREFETCH_B and (N_SLICES == 1 or first_slice == i):
+                            bt = bt_first                                   # loaded before the main loop
+                        else:
+                            bt = tl.load(b_tile, mask=b_mask, other=0.0)
                         acc = _lora_mma(acc, bt, hT, LORA_PREC, LORA_DT)
                     else:
                         acc = _lora_rank_chunks(acc, h_tile, b_tile, b_mask, m_ok, offs_r, R, stride_hr, stride_br,
@@ -544,7 +605,10 @@ def _lora_gemm_kernel(
                         sel = slots == cur
                         if BR_CHUNK == BLOCK_R:
                             hT = tl.load(h_tile, mask=sel[None, :] & r_ok[:, None], other=0.0)
-                            bt = tl.load(b_tile + cur.to(tl.int64) * stride_bs, mask=b_mask, other=0.0)
+                            if PREFETCH_B and (N_SLICES == 1 or first_slice == i) and cur == first_slot:
+                                bt = bt_first                               # loaded before the main loop
+                            else:
+                                bt = tl.load(b_tile + cur.to(tl.int64) * stride_bs, mask=b_mask, other=0.0)
                             acc = _lora_mma(acc, bt, hT, LORA_PREC, LORA_DT)
                         else:
                             acc = _lora_rank_chunks(acc, h_tile, b_tile + cur.to(tl.int64) * stride_bs, b_mask, sel,
@@ -676,27 +740,28 @@ def _fit_to_device(cfg, mode, rank, device) -> GemmConfig:
 
 
 K1_IN_K2_MIN_STAGES = 3
-# registers per thread of K2's grids with K1's programs, at most (tests/kernel/test_compile_sm90.py holds the
-# compiled decode grids to these): what _one_wave counts against the SM's 64K
-K1_IN_K2_REGS = {"w8a8": 128, "w8a16": 168}
+# registers per thread of K2's grids with K1's programs, at most, by mode and whether the epilogue's operands are
+# loaded before the main loop (PREFETCH_EPI holds the B tile across it); tests/kernel/test_compile_sm90.py holds the
+# compiled decode grids to these; what _one_wave counts against the SM's 64K
+K1_IN_K2_REGS = {("w8a8", False): 128, ("w8a8", True): 144, ("w8a16", False): 168, ("w8a16", True): 232}
 
 
-def _one_wave(cfg: GemmConfig, mode: str, rank: int, programs: int, device) -> GemmConfig:
+def _one_wave(cfg: GemmConfig, mode: str, rank: int, programs: int, prefetch: bool, device) -> GemmConfig:
     """K1 in K2's grid (knob k1_in_k2_one_wave): cfg with fewer pipeline stages (not below K1_IN_K2_MIN_STAGES)
     where its `programs` (GEMM + K1) would not all be resident at once. K1's programs hold a GEMM program's
     shared memory each, and a GEMM program left out of the first wave starts only when one of them ends, K1's
     latency then lying on the GEMM's critical path. Stages only deepen the pipeline: the sums are the same.
     dispatch records "lora_gemm.k1_wave" = one | fewer_stages | two."""
     fitted, verdict = _one_wave_config(cfg, mode, rank, programs, max_shared_mem(device, SM90_MAX_SMEM),
-                                       device_sms(device, NUM_SMS_HINT))
+                                       device_sms(device, NUM_SMS_HINT), K1_IN_K2_REGS[mode, prefetch])
     dispatch.record(f"{OP}.k1_wave", verdict)
     return fitted
 
 
 @functools.lru_cache(maxsize=1024)      # per launch on the decode path; configs are frozen (hashable)
-def _one_wave_config(cfg: GemmConfig, mode: str, rank: int, programs: int, max_shared: int, sms: int):
+def _one_wave_config(cfg: GemmConfig, mode: str, rank: int, programs: int, max_shared: int, sms: int, regs: int):
     def waves(c):
-        per_sm = programs_per_sm(smem_bytes(c, mode, rank), c.num_warps, max_shared, K1_IN_K2_REGS[mode])
+        per_sm = programs_per_sm(smem_bytes(c, mode, rank), c.num_warps, max_shared, regs)
         return cdiv(programs, max(1, sms * per_sm))
     fitted = cfg
     while waves(fitted) > 1 and fitted.num_stages > K1_IN_K2_MIN_STAGES:
@@ -770,9 +835,10 @@ def _pdl_wait_early(mode, use_pdl, q, K, w_tma, x_from_primary=True):
     return 2 if use_pdl and not w_tma and aligned else True
 
 
-def _variant_flags(cfg, mode, x, meta, has_lora, dist_red, x_tma) -> dict:
+def _variant_flags(cfg, mode, x, meta, slices, has_lora, dist_red, x_tma) -> dict:
     """The host-chosen kernel variants: slot pipeline, unrolled split-K sum, widening, SYNC_A, FP8_ACC, masked x
-    rows."""
+    rows, the epilogue's loads before the main loop (dispatch records "lora_gemm.prefetch_epilogue" at decode
+    sizes)."""
     kn = knobs()
     interpreting = dispatch.triton_interpreting()
     # the slot-pipelined epilogue pays off with several adapters per tile; at 256-token tiles it would spill
@@ -783,13 +849,20 @@ def _variant_flags(cfg, mode, x, meta, has_lora, dist_red, x_tma) -> dict:
     # in ~64 registers/thread
     red_unroll = (cfg.block_n * (cfg.block_m // cfg.split_k if dist_red else cfg.block_m) * (cfg.split_k - 1)
                   <= 64 * 32 * cfg.num_warps)
+    # decode sizes: the epilogue's operands that K1 does not write are loaded before the main loop; the first B
+    # tile is picked among the slices at run time, so they must share a dtype (they always do in the package)
+    decode = x.shape[0] <= PREFETCH_EPI_TOKENS
+    prefetch_epi = decode and kn.k2_prefetch_epilogue and (not has_lora or len({b.dtype for b in slices}) == 1)
+    if decode:
+        dispatch.record(f"{OP}.prefetch_epilogue", "on" if prefetch_epi else "off")
     widen_asm = 0
     if mode == "w8a16" and x.dtype == torch.bfloat16 and kn.w8a16_widen == "bits" and not interpreting:
         widen_asm = {"bits": 1, "prmt": 2, "cvt": 0}[cfg.widen]
     return dict(PIPE_SLOTS=pipe_slots, RED_UNROLL=red_unroll, WIDEN_ASM=widen_asm,
                 SYNC_A=kn.k2_sync_a and mode == "w8a16" and cfg.swap_ab and not interpreting,
                 FP8_ACC=None if kn.fp8_precise_acc is None else min(kn.fp8_precise_acc, cfg.block_k),
-                MASK_ROWS=kn.k2_mask_x_rows and not x_tma and x.shape[0] < cfg.block_m)
+                MASK_ROWS=kn.k2_mask_x_rows and not x_tma and x.shape[0] < cfg.block_m,
+                PREFETCH_EPI=prefetch_epi)
 
 
 def _gluon_mainloop(x, q, w_scale, h, B, slices, has_lora, gather, g, bias, lora_precision, use_pdl, out):
@@ -849,8 +922,9 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     w_arg, w_tma = _w_operand(q, cfg)
     x_arg, x_tma = _x_operand(x, cfg, gather, quantize_x)
     programs = m_tiles * n_tiles * cfg.split_k
+    variant = _variant_flags(cfg, mode, x, meta, slices, has_lora, dist_red, x_tma)   # (stages do not matter)
     if shrink is not None and config is None and knobs().k1_in_k2_one_wave:
-        cfg = _one_wave(cfg, mode, r, programs + shrink.programs, x.device)
+        cfg = _one_wave(cfg, mode, r, programs + shrink.programs, variant["PREFETCH_EPI"], x.device)
     k1_args, k1_consts = _k1_block(shrink, programs if cfg.split_k == 1 or dist_red else m_tiles * n_tiles, dummy)
     launch(_lora_gemm_kernel, (programs + (shrink.programs if shrink is not None else 0),),
            w_arg, x_arg, out, w_scale if w_scale is not None else dummy, x_scale if x_scale is not None else dummy,
@@ -869,7 +943,7 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
            EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,
            USE_PDL=use_pdl, W_TMA=w_tma, QUANT_X=ROUNDING_CODE[quantize_x] if quantize_x else 0,
            PDL_WAIT_EARLY=_pdl_wait_early(mode, use_pdl, q, K, w_tma, x_from_primary and quantize_x is None),
-           SWAP_AB=cfg.swap_ab, X_TMA=x_tma, **_variant_flags(cfg, mode, x, meta, has_lora, dist_red, x_tma),
+           SWAP_AB=cfg.swap_ab, X_TMA=x_tma, **variant,
            **k1_consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
     return out
 

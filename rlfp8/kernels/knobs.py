@@ -39,6 +39,11 @@ class KernelKnobs:
     # re-reading a valid row; False = unpredicated loads of row 0 for them (A/B timing; same bits: an MMA output
     # column depends on its own token's x only)
     k2_mask_x_rows: bool = True
+    # K2 at decode sizes (<= 16 tokens): the epilogue's operands that K1 does not write (the weight and token scales,
+    # the rows' slots, the first slot's B tile at rank <= 64) are loaded before the main loop, so their DRAM round
+    # trips overlap it instead of following it; False = after the main loop (and the wait for h), as above 16 tokens.
+    # Same bits; dispatch records "lora_gemm.prefetch_epilogue" = on | off
+    k2_prefetch_epilogue: bool = True
     # W8A16 widening of e4m3 tiles: "bits" = each config's PTX widening (GemmConfig.widen), "cvt" = Triton's
     # .to(bf16) everywhere (same bits)
     w8a16_widen: str = "bits"
@@ -121,6 +126,7 @@ ENV_VARS = {
     "RLFP8_K2_SYNC_A": "k2_sync_a",
     "RLFP8_K2_DIST_RED": "k2_dist_red",
     "RLFP8_K2_MASK_X_ROWS": "k2_mask_x_rows",
+    "RLFP8_K2_PREFETCH_EPILOGUE": "k2_prefetch_epilogue",
     "RLFP8_W8A16_WIDEN": "w8a16_widen",
     "RLFP8_FP8_PRECISE_ACC": "fp8_precise_acc",
     "RLFP8_TUNED_GPU": "tuned_gpu",
@@ -144,8 +150,8 @@ _NAMES = tuple(f.name for f in dataclasses.fields(KernelKnobs))
 _CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "pdl": PDL_MODES, "pdl_w8a8_quant": PDL_W8A8_QUANT,
             "batch_invariant": BATCH_INVARIANT, "k1_decode_rank_block": K1_DECODE_RANK_BLOCKS,
             "k1_in_k2": K1_IN_K2, "k1_decode_split_max": K1_DECODE_SPLIT_MAX}
-_FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "k2_mask_x_rows", "host_fast", "tuned_nearest", "pdl_quant_k2",
-          "k1_mask_x_rows", "engine_graph_quant", "k1_in_k2_one_wave")
+_FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "k2_mask_x_rows", "k2_prefetch_epilogue", "host_fast",
+          "tuned_nearest", "pdl_quant_k2", "k1_mask_x_rows", "engine_graph_quant", "k1_in_k2_one_wave")
 _COUNTS = ("k2_quant_x_tokens", "k1_in_k2_tokens")
 _INTS = _COUNTS + ("k1_decode_rank_block", "k1_decode_split_max")       # read from the environment as ints
 

@@ -2,7 +2,9 @@
 give the same bits as K1 in its own launch (K2 its programmatic dependent), every Qwen3-8B projection shape, both
 modes, M in {1, 4, 16, 64}, one rank-64 adapter with tokens without adapter beside it and four adapters at once;
 repeated eagerly and replayed 100 times from a CUDA graph, every result bit-identical (the counter protocol
-leaves no race and resets itself).
+leaves no race and resets itself). Also knob k2_prefetch_epilogue: K2's epilogue loads before its main loop at
+<= 16 tokens give the bits of the loads after it, K1 in K2's grid or in its own launch, and beside a distributed
+split-K sum.
     python -m pytest tests/gpu/test_k1_in_k2_gpu.py -m gpu -v -s
 """
 from __future__ import annotations
@@ -14,7 +16,11 @@ import torch
 
 from rlfp8.kernels import _triton_utils as tu
 from rlfp8.kernels import dispatch, fp8
+from rlfp8.kernels.gemm_configs import GemmConfig
+from rlfp8.kernels.gemm_triton import lora_gemm_triton
+from rlfp8.kernels.knobs import restore_knobs, set_knobs
 from rlfp8.kernels.metadata import build_lora_meta
+from rlfp8.kernels.shrink_ref import lora_shrink_ref
 from tests.gpu.test_pdl_gpu import projection_with, require_sm90
 
 pytestmark = pytest.mark.gpu
@@ -22,6 +28,8 @@ pytestmark = pytest.mark.gpu
 SHAPES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (12288, 12288)),
           "down": (12288, (4096,))}
 MS = (1, 4, 16, 64)
+PREFETCH_MS = (1, 4, 16)                    # knob k2_prefetch_epilogue: K2 at <= 16 tokens
+DIST_RED_SPLIT = GemmConfig(64, 32, 128, 2, 8, 4, 3)    # 16 tokens per program: the distributed split-K sum
 MODES = ("w8a16", "w8a8")
 DEV = "cuda"
 
@@ -39,8 +47,20 @@ def _problem(shape, M, adapters=1, r=64, seed=0):
     return x, q, sw, A, B, build_lora_meta(slots, adapters)
 
 
-def _run(in_k2, mode, *problem):
-    return projection_with(dict(pdl="on", k1_in_k2="on" if in_k2 else "off"), mode, *problem)
+def _run(in_k2, mode, *problem, prefetch=True):
+    return projection_with(dict(pdl="on", k1_in_k2="on" if in_k2 else "off", k2_prefetch_epilogue=prefetch), mode,
+                           *problem)
+
+
+def _k2_split(prefetch, mode, x, q, sw, A, B, meta):
+    """K2 alone with DIST_RED_SPLIT at 16 tokens, h from the torch shrink."""
+    xq, xs = fp8.quantize_activation(x) if mode == "w8a8" else (x, None)
+    h = lora_shrink_ref(x, A, meta).h
+    saved = set_knobs(k2_prefetch_epilogue=prefetch)
+    try:
+        return lora_gemm_triton(xq, q, sw, x_scale=xs, h=h, B=B, meta=meta, config=DIST_RED_SPLIT)
+    finally:
+        restore_knobs(saved)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,6 +74,13 @@ def _precompile():
                     for mode in MODES:
                         for in_k2 in (True, False):
                             _run(in_k2, mode, *p)
+                            if M in PREFETCH_MS:
+                                _run(in_k2, mode, *p, prefetch=False)
+        x, q, sw, A, B, meta = _problem("qkv", 16)
+        for mode in MODES:
+            for prefetch in (True, False):
+                for m in (meta, None):
+                    _k2_split(prefetch, mode, x, q, sw, A, B, m)
     info = tu.precompile(rec, jobs=min(16, os.cpu_count() or 4))
     print(f"\n[precompile] {info['kernels']} kernels in {info['seconds']} s, errors: {info['errors']}")
 
@@ -115,3 +142,43 @@ def test_one_wave_stages_keep_the_bits(shape, M, mode):
     print(f"\n[one_wave] {shape} M={M} {mode}: {wave}")
     assert sum(wave.values()) == 1 and set(wave) <= {"one", "fewer_stages", "two"}
     assert y_one.abs().sum() > 0 and torch.equal(y_one, y_tuned)
+
+
+@pytest.mark.parametrize("adapters", [1, 4])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("M", PREFETCH_MS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_prefetched_epilogue_gives_the_same_bits(shape, M, mode, adapters):
+    """Knob k2_prefetch_epilogue: the engine projection (PDL; K1 in K2's grid and in its own launch) with K2's
+    epilogue scales, slots and first B tile loaded before its main loop equals the loads after it, bit for bit
+    (one adapter: the per-slot epilogue takes the prefetched tile; four: the slot pipeline, scales and slots)."""
+    p = _problem(shape, M, adapters)
+    for in_k2 in (True, False):
+        outs = []
+        for prefetch in (True, False):
+            dispatch.reset_report()
+            outs.append(_run(in_k2, mode, *p, prefetch=prefetch))
+            assert dispatch.report()["lora_gemm.prefetch_epilogue"] == {"on" if prefetch else "off": 1}
+        torch.cuda.synchronize()
+        assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1]), in_k2
+        for _ in range(5):
+            assert torch.equal(_run(in_k2, mode, *p), outs[1]), in_k2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prefetched_epilogue_beside_a_distributed_split_k_sum(mode):
+    """16 tokens in a 32-token tile split 2 ways: the distributed sum recomputes each program's rows after it, so
+    s_x and the slots load there as before; s_w (and without metadata the B tile) before the main loop. The same
+    bits as the knob off, with metadata and without."""
+    require_sm90("the distributed split-K sum runs on the GPU")
+    x, q, sw, A, B, meta = _problem("qkv", 16)
+    for m in (meta, None):
+        outs = []
+        for prefetch in (True, False):
+            dispatch.reset_report()
+            outs.append(_k2_split(prefetch, mode, x, q, sw, A, B, m))
+            rep = dispatch.report()
+            assert rep["lora_gemm.split_k"] == {"distributed": 1}
+            assert rep["lora_gemm.prefetch_epilogue"] == {"on" if prefetch else "off": 1}
+        torch.cuda.synchronize()
+        assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1]), m is None

@@ -54,6 +54,7 @@ def collect() -> list:
         _tma_orientation_and_widening_launches()
         _rank_and_pdl_launches()
         _k1_in_k2_launches()
+        _prefetch_epilogue_launches()
         _tuned_table_launches()
         _invariant_launches()
         _large_rank_launches()
@@ -201,6 +202,34 @@ def _k1_in_k2_launches(r: int = 64) -> None:
             progs = shrink_programs(x, A, None, out=torch.empty(len(widths), M, r), mode="w8a8")
             lora_gemm_triton(_e(M, K, dtype=FP8), q, sw, x_scale=torch.empty(M, 1), h=progs.out.h,
                              B=[b[:1] for b in B], shrink=progs, use_pdl=True)
+
+
+def _prefetch_epilogue_launches(r: int = 64) -> None:
+    """Knob k2_prefetch_epilogue: K2 at decode sizes with its epilogue's scales, slots and first B tile loaded before
+    the main loop, every projection at 1 and 16 tokens with the H200's decode configs (the tuned table's; W8A16 also
+    the batch-invariant one, its engine default), one adapter through metadata (the per-slot epilogue), W8A8 (the
+    quantizer's codes) and W8A16, K1's programs in the grid and K2 as K1's programmatic dependent."""
+    saved = set_knobs(k2_prefetch_epilogue=True)
+    try:
+        for name, (K, widths) in SHAPES.items():
+            N = sum(widths)
+            q, sw = _e(N, K, dtype=FP8), torch.empty(N)
+            for M in (1, 16):
+                x, meta = _e(M, K), build_lora_meta(torch.zeros(M, dtype=torch.long), 2)
+                A, B = [_e(2, r, K)] * len(widths), [_e(2, w, r) for w in widths]
+                for mode in ("w8a16", "w8a8"):
+                    xx, xs = (x, None) if mode == "w8a16" else (_e(M, K, dtype=FP8), torch.empty(M, 1))
+                    configs = [gemm_config(mode, M, N, K, "cuda")]
+                    if mode == "w8a16":
+                        configs.append(invariant_gemm_config(mode, M, N, K, "cuda"))
+                    for cfg in configs:
+                        progs = shrink_programs(x, A, meta, out=torch.empty(len(widths), M, r), mode=mode)
+                        lora_gemm_triton(xx, q, sw, x_scale=xs, h=progs.out.h, B=B, meta=meta, shrink=progs,
+                                         use_pdl=mode == "w8a8", config=cfg)
+                        lora_gemm_triton(xx, q, sw, x_scale=xs, h=progs.out.h, B=B, meta=meta, use_pdl=True,
+                                         x_from_primary=False, config=cfg)
+    finally:
+        restore_knobs(saved)
 
 
 def _tuned_table_launches(S: int = 4, r: int = 64) -> None:

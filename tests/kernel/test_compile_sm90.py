@@ -168,7 +168,7 @@ def _h200_w8a16_tiles_at_rank_64(M, N, K, transposed):
 def test_pdl_wait_point_present_only_when_asked(compiled):
     """K1 (shrink, with and without the W8A8 quantization programs) triggers its dependent and is itself a
     plain launch (it has no wait); K2 waits and is the one launched with launch_pdl; in W8A8 with K1's x_q it
-    asks L2 for its weight rows before the early wait; in W8A8 with x quantized before K1 it waits at the
+    asks L2 for its weight rows before the early wait (unless they come through TMA); in W8A8 with x quantized before K1 it waits at the
     epilogue, as W8A16. The quantizer with USE_PDL (knob pdl_quant_k2) triggers its dependent as K1 does, and K1
     in 16-rank programs (knob k1_decode_rank_block) too. Without USE_PDL none of it, and no timeline stamp
     anywhere."""
@@ -183,8 +183,10 @@ def test_pdl_wait_point_present_only_when_asked(compiled):
     assert all(r["gdc_launch"] and not r["gdc_wait"] and not r["launch_pdl"] for r in k1), k1
     assert all(r["gdc_wait"] and not r["gdc_launch"] and r["launch_pdl"] for r in k2), k2
     early = [r for r in k2 if r["constexprs"]["PDL_WAIT_EARLY"]]
-    assert len(early) >= 2 and all(r["constexprs"]["HAS_XS"] and r["constexprs"]["PDL_WAIT_EARLY"] == 2
-                                   and r["l2_prefetch"] for r in early)
+    assert len(early) >= 2 and all(r["constexprs"]["HAS_XS"] for r in early)
+    assert any(r["constexprs"]["PDL_WAIT_EARLY"] == 2 for r in early)
+    assert all(r["l2_prefetch"] == (r["constexprs"]["PDL_WAIT_EARLY"] == 2) for r in early)
+    assert all(r["constexprs"]["W_TMA"] for r in early if r["constexprs"]["PDL_WAIT_EARLY"] != 2)
     assert all(not r["l2_prefetch"] for r in k2 if r not in early)
     assert len([r for r in k2 if r["constexprs"]["HAS_XS"] and r not in early]) >= 2     # W8A8, x quantized apart
     others = [r for r in compiled if not r["constexprs"].get("USE_PDL")]
@@ -257,16 +259,38 @@ def test_timeline_stamps_compile_for_the_benchmark():
 def test_k1_in_k2_grids_compile_without_spills(compiled):
     """Knob k1_in_k2: K2 with K1's programs in its grid compiles for every projection at decode sizes, no
     spill stack; W8A16 is a plain launch (no wait: the counter replaces it), W8A8 the quantizer's dependent (L2
-    prefetch, then the wait before its main loop)."""
+    prefetch, then the wait before its main loop; the wait alone where the weights come through TMA)."""
     fused = [r for r in compiled if r["name"] == "_lora_gemm_kernel" and r["constexprs"]["K1_PROGRAMS"]]
     assert len(fused) >= 8 and all(r["stack"] == 0 for r in fused), fused
     # gemm_triton._one_wave counts programs per SM with K1_IN_K2_REGS registers per thread: never fewer than used
     over = [(r["regs"], r["constexprs"]["WIDEN_W"]) for r in fused
-            if r["regs"] > K1_IN_K2_REGS["w8a16" if r["constexprs"]["WIDEN_W"] else "w8a8"]]
+            if r["regs"] > K1_IN_K2_REGS["w8a16" if r["constexprs"]["WIDEN_W"] else "w8a8",
+                                         bool(r["constexprs"]["PREFETCH_EPI"])]]
     assert not over, over
     assert {r["constexprs"]["K1_SPLIT_K"] for r in fused} >= {8, 16}        # W8A8's decode split (down: 16)
     assert all(r["constexprs"]["K1_RED_UNROLL"] for r in fused)
     w8a16 = [r for r in fused if r["constexprs"]["WIDEN_W"]]
     assert w8a16 and all(not r["gdc_wait"] and not r["launch_pdl"] for r in w8a16)
     w8a8 = [r for r in fused if r["constexprs"]["HAS_XS"]]
-    assert w8a8 and all(r["gdc_wait"] and r["launch_pdl"] and r["l2_prefetch"] for r in w8a8)
+    assert w8a8 and all(r["gdc_wait"] and r["launch_pdl"] and r["l2_prefetch"] != bool(r["constexprs"]["W_TMA"])
+                        for r in w8a8)
+    assert any(r["l2_prefetch"] for r in w8a8)
+
+
+def test_prefetched_epilogues_compile_without_spills(compiled):
+    """Knob k2_prefetch_epilogue: K2 at decode sizes with its epilogue's scales, slots and first B tile loaded before
+    the main loop (the tile held in registers across it) has no spill stack with the H200's decode configs of every
+    projection (tuned, and W8A16's batch-invariant ones), W8A8 and W8A16, K1's programs in its grid or not, the
+    padding rows masked (1 token) or not (16)."""
+    k2 = [r for r in compiled if r["name"] == "_lora_gemm_kernel" and "stack" in r]
+    if not k2:
+        pytest.skip("cuobjdump not available")
+    pre = [r for r in k2 if r["constexprs"]["PREFETCH_EPI"]]
+    spilled = [(r["constexprs"], r["regs"], r["stack"]) for r in pre if r["stack"] != 0]
+    assert len(pre) >= 48 and not spilled, spilled
+    one_adapter = [r["constexprs"] for r in pre if r["constexprs"]["HAS_LORA"] and not r["constexprs"]["ALL_SLOT0"]
+                   and not r["constexprs"]["PIPE_SLOTS"] and r["constexprs"]["BLOCK_R"] == 64]
+    assert {c["N_SLICES"] for c in one_adapter} == {1, 2, 3}
+    for key in ("WIDEN_W", "K1_PROGRAMS", "MASK_ROWS", "SWAP_AB", "USE_PDL"):
+        assert {bool(c[key]) for c in one_adapter} == {True, False}, key
+    assert {c["SPLIT_K"] for c in one_adapter} >= {1, 2, 4}

@@ -120,7 +120,8 @@ def test_dispatch_and_errors(device):
     with dispatch.use_backend("triton"):
         lora_gemm(p["x"], p["q"], p["sw"], config=SMALL)
     lora_gemm(p["x"].cpu(), p["q"].cpu(), p["sw"].cpu())     # auto on CPU tensors: reference
-    assert dispatch.report() == {"lora_gemm": {"triton": 1, "torch": 1}, "lora_gemm.schedule": {"explicit": 1}}
+    assert dispatch.report() == {"lora_gemm": {"triton": 1, "torch": 1}, "lora_gemm.schedule": {"explicit": 1},
+                                 "lora_gemm.prefetch_epilogue": {"on": 1}}
     x, q, sw = p["x"], p["q"], p["sw"]
     with pytest.raises(ValueError, match=r"q \(64, 64\) must be \[N, K\] with K = x.shape\[1\] = 32"):
         lora_gemm_triton(x[:, :32], q, sw)
@@ -376,3 +377,110 @@ def test_projection_x_quant_errors(device):
         fp8_lora_linear(x, p["q"], p["sw"], mode="w8a8", x_quant=(x_q[:4], x_s))
     with pytest.raises(ValueError, match=r"scales must be float32 \[5, 1\]"):
         fp8_lora_linear(x, p["q"], p["sw"], mode="w8a8", x_quant=(x_q, x_s[:, 0]))
+
+
+# knob k2_prefetch_epilogue: slice layouts over BLOCK_N = 32 tiles (N = 84: a ragged last tile), slot patterns cycled
+# over the rows (None: no metadata, every row slot 0; "two": the per-slot loop runs twice; rows without adapter)
+PREFETCH_SLICES = {"one": [64], "aligned": [32, 32, 32],
+                   "straddle": [24, 40, 20]}    # tile 0 spans slices 0-1, tile 1 starts inside slice 1, tile 2 in 2
+PREFETCH_SLOTS = {"no_meta": None, "one": [1, -1], "two": [1, -1, 0]}
+
+
+def _prefetch_problem(M, widths, slots, mode, device, r=16, K=64, S=3):
+    g = torch.Generator().manual_seed(M * 100 + len(widths))
+    N = sum(widths)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16).to(device)
+    q, sw = fp8.quantize_weight_ref(torch.randn(N, K, generator=g).to(device) * 0.05)
+    A = [(torch.randn(S, r, K, generator=g) * 0.1).to(torch.bfloat16).to(device) for _ in widths]
+    B = [(torch.randn(S, n, r, generator=g) * 0.1).to(torch.bfloat16).to(device) for n in widths]
+    if slots is None:
+        return dict(x=x, q=q, sw=sw, A=[a[:1] for a in A], B=[b[:1] for b in B], slots=None, meta=None)
+    slot_t = torch.tensor([slots[i % len(slots)] for i in range(M)], device=device)
+    return dict(x=x, q=q, sw=sw, A=A, B=B, slots=slot_t, meta=build_lora_meta(slot_t, S))
+
+
+def _k2_prefetch(on, p, mode, cfg, k1_in_k2=False, g=None):
+    """K2 (fp32 out) with the knob set; h from K1's programs in its grid (k1_in_k2) or from the torch shrink.
+    Returns (y, the h it read, x codes, x scales, the dispatch record)."""
+    from rlfp8.kernels import knobs
+    from rlfp8.kernels.shrink_triton import shrink_programs
+    xq, xs = fp8.quantize_activation_ref(p["x"]) if mode == "w8a8" else (p["x"], None)
+    saved = knobs.set_knobs(k2_prefetch_epilogue=on)
+    try:
+        dispatch.reset_report()
+        if k1_in_k2:
+            progs = shrink_programs(p["x"], p["A"], p["meta"], mode=mode)
+            h, kw = progs.out.h, dict(shrink=progs)
+        else:
+            h, kw = lora_shrink_ref(p["x"], p["A"], p["meta"]).h, {}
+        y = lora_gemm_triton(xq, p["q"], p["sw"], x_scale=xs, h=h, B=p["B"], meta=p["meta"], g=g, config=cfg,
+                             out_dtype=torch.float32, **kw)
+        return y, h.clone(), xq, xs, dispatch.report().get("lora_gemm.prefetch_epilogue")
+    finally:
+        knobs.restore_knobs(saved)
+
+
+@pytest.mark.parametrize("slots", list(PREFETCH_SLOTS))
+@pytest.mark.parametrize("slices", list(PREFETCH_SLICES))
+@pytest.mark.parametrize("M", [1, 4, 16])
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+def test_prefetched_epilogue_gives_the_same_bits(mode, M, slices, slots, device, monkeypatch):
+    """Knob k2_prefetch_epilogue (<= 16 tokens): s_w, s_x, the slots and the first slot's B tile loaded before the
+    main loop give the bits of the loads after it (the dispatch records which ran), with K1's programs in K2's grid
+    and without, split-K 1 and 2, both main-loop orientations; and the fp64 math. With metadata, the per-slot
+    epilogue (the one that takes the prefetched tile; three segments would pick the slot pipeline)."""
+    from rlfp8.kernels import gemm_triton
+    monkeypatch.setattr(gemm_triton, "_PIPE_SLOTS_OVERRIDE", False)
+    p = _prefetch_problem(M, PREFETCH_SLICES[slices], PREFETCH_SLOTS[slots], mode, device)
+    for split, k1_in_k2 in ((1, False), (2, True), (2, False), (1, True)):
+        cfg = GemmConfig(32, 16, 32, split, 1, 4, 2, swap_ab=split == 1)
+        y_on, h, xq, xs, path_on = _k2_prefetch(True, p, mode, cfg, k1_in_k2)
+        y_off, h_off, _, _, path_off = _k2_prefetch(False, p, mode, cfg, k1_in_k2)
+        assert (path_on, path_off) == ({"on": 1}, {"off": 1})
+        assert torch.equal(h, h_off) and torch.equal(y_on, y_off), (split, k1_in_k2)
+        ref = gemm_fp64(xq, p["q"], p["sw"], x_scale=xs, h=h, B=p["B"], slots=p["slots"])
+        assert rel_err(y_on, ref) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+def test_prefetched_epilogue_beside_the_unchanged_epilogues(mode, device):
+    """The epilogues whose B loads stay after the main loop (the slot pipeline at three adapters, rank chunks above
+    64, DoRA's g) with the scales and slots prefetched: the same bits, and the torch reference's values."""
+    for r, slots, g in ((16, [2, 0, -1, 1], None), (96, [1, -1, 0], None), (16, [1, -1, 0], True)):
+        p = _prefetch_problem(16, PREFETCH_SLICES["straddle"], slots, mode, device, r=r)
+        gv = torch.rand(3, 84, device=device) + 0.5 if g else None
+        cfg = GemmConfig(32, 16, 32, 1, 1, 4, 2)
+        y_on, h, xq, xs, _ = _k2_prefetch(True, p, mode, cfg, g=gv)
+        y_off, _, _, _, _ = _k2_prefetch(False, p, mode, cfg, g=gv)
+        assert torch.equal(y_on, y_off), (r, slots, g)
+        ref = lora_gemm_ref(xq, p["q"], p["sw"], x_scale=xs, h=h, B=p["B"], meta=p["meta"], g=gv,
+                            out_dtype=torch.float32)
+        assert rel_err(y_on, ref) < 1e-5
+
+
+def test_prefetch_epilogue_only_at_decode_sizes_and_by_the_knob(device):
+    """PREFETCH_EPI at <= 16 tokens with the knob on (dispatch "lora_gemm.prefetch_epilogue" = on); off with the knob
+    off (= off) or B slices of two dtypes (the first tile is picked among the slices at run time; = off); above 16
+    tokens never, and nothing recorded."""
+    from rlfp8.kernels import _triton_utils as tu
+    from rlfp8.kernels import knobs
+    assert knobs.knobs().k2_prefetch_epilogue is True
+    assert knobs._env_overrides({"RLFP8_K2_PREFETCH_EPILOGUE": "0"}) == {"k2_prefetch_epilogue": False}
+
+    def launched(M, on=True, b_dtypes=(torch.bfloat16, torch.bfloat16)):
+        p = _prefetch_problem(M, [32, 32], [0], "w8a16", device)
+        B = [b.to(dt) for b, dt in zip(p["B"], b_dtypes)]
+        saved = knobs.set_knobs(k2_prefetch_epilogue=on)
+        try:
+            dispatch.reset_report()
+            with tu.collect_launches() as rec:
+                lora_gemm_triton(p["x"], p["q"], p["sw"], h=torch.zeros(2, M, 16, device=device), B=B,
+                                 meta=p["meta"], config=SMALL)
+            return rec[0][3]["PREFETCH_EPI"], dispatch.report().get("lora_gemm.prefetch_epilogue")
+        finally:
+            knobs.restore_knobs(saved)
+
+    assert launched(16) == (True, {"on": 1})
+    assert launched(16, on=False) == (False, {"off": 1})
+    assert launched(3, b_dtypes=(torch.bfloat16, torch.float32)) == (False, {"off": 1})
+    assert launched(17) == (False, None)
