@@ -747,7 +747,7 @@ K1_IN_K2_REGS = {("w8a8", False): 128, ("w8a8", True): 144, ("w8a16", False): 16
 
 
 def _one_wave(cfg: GemmConfig, mode: str, rank: int, programs: int, prefetch: bool, device) -> GemmConfig:
-    """K1 in K2's grid (knob k1_in_k2_one_wave): cfg with fewer pipeline stages (not below K1_IN_K2_MIN_STAGES)
+    """K1 in K2's grid (knob k1_in_k2_one_wave, W8A16 by default): cfg with fewer pipeline stages (not below K1_IN_K2_MIN_STAGES)
     where its `programs` (GEMM + K1) would not all be resident at once. K1's programs hold a GEMM program's
     shared memory each, and a GEMM program left out of the first wave starts only when one of them ends, K1's
     latency then lying on the GEMM's critical path. Stages only deepen the pipeline: the sums are the same.
@@ -923,7 +923,7 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     x_arg, x_tma = _x_operand(x, cfg, gather, quantize_x)
     programs = m_tiles * n_tiles * cfg.split_k
     variant = _variant_flags(cfg, mode, x, meta, slices, has_lora, dist_red, x_tma)   # (stages do not matter)
-    if shrink is not None and config is None and knobs().k1_in_k2_one_wave:
+    if shrink is not None and config is None and knobs().k1_in_k2_one_wave in ("on", mode):
         cfg = _one_wave(cfg, mode, r, programs + shrink.programs, variant["PREFETCH_EPI"], x.device)
     k1_args, k1_consts = _k1_block(shrink, programs if cfg.split_k == 1 or dist_red else m_tiles * n_tiles, dummy)
     launch(_lora_gemm_kernel, (programs + (shrink.programs if shrink is not None else 0),),

@@ -19,6 +19,7 @@ PDL_W8A8_QUANT = ("separate", "fused")
 BATCH_INVARIANT = ("auto", "on", "off")
 K1_DECODE_RANK_BLOCKS = (0, 16, 32, 64)
 K1_IN_K2 = ("off", "w8a8", "on")
+K1_IN_K2_ONE_WAVE = ("off", "w8a16", "on")
 K1_DECODE_SPLIT_MAX = (8, 16)
 
 
@@ -42,8 +43,10 @@ class KernelKnobs:
     # K2 at decode sizes (<= 16 tokens): the epilogue's operands that K1 does not write (the weight and token scales,
     # the rows' slots, the first slot's B tile at rank <= 64) are loaded before the main loop, so their DRAM round
     # trips overlap it instead of following it; False = after the main loop (and the wait for h), as above 16 tokens.
-    # Same bits; dispatch records "lora_gemm.prefetch_epilogue" = on | off
-    k2_prefetch_epilogue: bool = True
+    # Off by default: the held B tile costs registers (W8A16's gate_up 4 instead of 6 programs per SM) and the H100
+    # measured no layer faster with it (bench/README.md session 20). Same bits; dispatch records
+    # "lora_gemm.prefetch_epilogue" = on | off
+    k2_prefetch_epilogue: bool = False
     # W8A16 widening of e4m3 tiles: "bits" = each config's PTX widening (GemmConfig.widen), "cvt" = Triton's
     # .to(bf16) everywhere (same bits)
     w8a16_widen: str = "bits"
@@ -81,18 +84,21 @@ class KernelKnobs:
     # the engine projection with an adapter at decode sizes (<= k1_in_k2_tokens): K1's shrink programs run as the
     # first programs of K2's grid, one launch instead of two, K2's programs waiting on their counter before the
     # epilogue (no launch gap; W8A8 then quantizes x in its own kernel, K2 its programmatic dependent with
-    # pdl_quant_k2, or takes the caller's codes). "w8a8" = for W8A8 calls, where the H100 measured the layer 5-6%
-    # faster than K1 in its own launch; "on" = W8A16 too (slower there: K1's 8 long programs hold the GEMM's wait
-    # on the down projection); "off" = K1 in its own kernel (K2 its programmatic dependent under PDL). Same bits;
-    # dispatch records "lora_gemm.k1" = in_k2
-    k1_in_k2: str = "w8a8"
+    # pdl_quant_k2, or takes the caller's codes). "on" = W8A8 calls of <= k1_in_k2_tokens and W8A16 calls of <=
+    # k1_in_k2_w8a16_tokens, where the H100 measured the layer with one adapter 5-6% (W8A8) and 2-3% (W8A16, with
+    # k1_in_k2_one_wave) faster than K1 in its own launch; "w8a8" = W8A8 calls only; "off" = K1 in its own kernel
+    # (K2 its programmatic dependent under PDL). Same bits; dispatch records "lora_gemm.k1" = in_k2
+    k1_in_k2: str = "on"
     k1_in_k2_tokens: int = 64
-    # K1 in K2's grid: where K1's programs push the grid past what the GPU holds at once (they take K2's shared
-    # memory each: the down projection's 128 + 16 programs on 132 SMs at one program per SM), K2's pipeline gets
-    # fewer stages (down to 3) until the whole grid is resident in one wave, so no GEMM program waits for K1's to
-    # leave their SMs. False = the config as chosen (A/B timing). Same bits (stages do not change the sums);
-    # dispatch records "lora_gemm.k1_wave" = one | fewer_stages | two
-    k1_in_k2_one_wave: bool = True
+    # W8A16's own limit (at 64 tokens K1's 4x more programs made each projection slower inside the grid)
+    k1_in_k2_w8a16_tokens: int = 16
+    # K1 in K2's grid: where K1's programs push the grid past what the GPU holds at once (each takes a GEMM program's
+    # shared memory and registers), K2's pipeline gets fewer stages (down to 3) until the whole grid is resident in
+    # one wave, so no GEMM program waits for a K1 program to leave its SM (W8A16's down projection with one adapter
+    # 47.8 -> 35.7 us on the H100). "w8a16" = for W8A16 calls (W8A8 measured
+    # no faster with it), "on" = both modes, "off" = the config as chosen. Same bits (stages do not change the
+    # sums); dispatch records "lora_gemm.k1_wave" = one | fewer_stages | two
+    k1_in_k2_one_wave: str = "w8a16"
     # W8A8's K1 split-K cap at decode sizes (<= 16 tokens; W8A8 with batch_invariant=on excepted): 16 gives the
     # down projection (K = 12288) 16 programs of 768 K instead of 8 of 1,536 (the W8A8 layer with one adapter
     # ~1.5% faster on the H100, bench/README.md session 19); lowered where the tile's sum of partials would not
@@ -140,6 +146,7 @@ ENV_VARS = {
     "RLFP8_K1_IN_K2_TOKENS": "k1_in_k2_tokens",
     "RLFP8_K1_IN_K2": "k1_in_k2",
     "RLFP8_K1_IN_K2_ONE_WAVE": "k1_in_k2_one_wave",
+    "RLFP8_K1_IN_K2_W8A16_TOKENS": "k1_in_k2_w8a16_tokens",
     "RLFP8_K1_DECODE_SPLIT_MAX": "k1_decode_split_max",
     "RLFP8_ENGINE_GRAPH_QUANT": "engine_graph_quant",
     "RLFP8_BATCH_INVARIANT": "batch_invariant",
@@ -149,10 +156,10 @@ ENV_VARS_BY_KNOB = {knob: var for var, knob in ENV_VARS.items()}
 _NAMES = tuple(f.name for f in dataclasses.fields(KernelKnobs))
 _CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "pdl": PDL_MODES, "pdl_w8a8_quant": PDL_W8A8_QUANT,
             "batch_invariant": BATCH_INVARIANT, "k1_decode_rank_block": K1_DECODE_RANK_BLOCKS,
-            "k1_in_k2": K1_IN_K2, "k1_decode_split_max": K1_DECODE_SPLIT_MAX}
+            "k1_in_k2": K1_IN_K2, "k1_in_k2_one_wave": K1_IN_K2_ONE_WAVE, "k1_decode_split_max": K1_DECODE_SPLIT_MAX}
 _FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "k2_mask_x_rows", "k2_prefetch_epilogue", "host_fast",
-          "tuned_nearest", "pdl_quant_k2", "k1_mask_x_rows", "engine_graph_quant", "k1_in_k2_one_wave")
-_COUNTS = ("k2_quant_x_tokens", "k1_in_k2_tokens")
+          "tuned_nearest", "pdl_quant_k2", "k1_mask_x_rows", "engine_graph_quant")
+_COUNTS = ("k2_quant_x_tokens", "k1_in_k2_tokens", "k1_in_k2_w8a16_tokens")
 _INTS = _COUNTS + ("k1_decode_rank_block", "k1_decode_split_max")       # read from the environment as ints
 
 

@@ -23,8 +23,8 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
     shrink_out: a preallocated h buffer [L, T, r] fp32 (vLLM's); by default an uninitialised one, since K2
     never reads the rows of tokens without adapter (no memset launch).
     With Triton kernels K2 is launched as K1's programmatic dependent where the knob `pdl` allows it (same
-    bits); dispatch records "lora_gemm.launch" = pdl | stream. With the knob k1_in_k2 (default: W8A8 calls of <=
-    k1_in_k2_tokens tokens) K1's shrink programs run instead as the first programs of K2's grid, K2 waiting on
+    bits); dispatch records "lora_gemm.launch" = pdl | stream. With the knob k1_in_k2 (default: calls of <=
+    k1_in_k2_tokens tokens, W8A16 <= k1_in_k2_w8a16_tokens) K1's shrink programs run instead as the first programs of K2's grid, K2 waiting on
     their counter before its epilogue (same bits; dispatch "lora_gemm.k1" = in_k2; W8A8 then quantizes x in its
     own kernel, K2 being its programmatic dependent with pdl_quant_k2, or takes the caller's codes).
     W8A8: where x is quantized (same codes everywhere; dispatch records "lora_gemm.x_quant"): "k2" = inside K2
@@ -52,7 +52,8 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
     out_dtype = out_dtype or (x.dtype if x.dtype != torch.float32 else torch.bfloat16)
     # knob k1_in_k2: K1's shrink programs run first in K2's grid (one launch; K2 waits on their counter before its
     # epilogue)
-    k1_in_k2 = (adapter_tokens and not quant_in_k2 and x.shape[0] <= kn.k1_in_k2_tokens
+    k1_in_k2 = (adapter_tokens and not quant_in_k2
+                and x.shape[0] <= min(kn.k1_in_k2_tokens, kn.k1_in_k2_w8a16_tokens if mode == "w8a16" else 1 << 62)
                 and (kn.k1_in_k2 == "on" or (kn.k1_in_k2 == "w8a8" and mode == "w8a8"))
                 and dispatch.would_choose("lora_shrink", x) == "triton"
                 and dispatch.would_choose("lora_gemm", x, q) == "triton")

@@ -134,9 +134,9 @@ def test_one_wave_stages_keep_the_bits(shape, M, mode):
     the same bits as the tuned stages, and the dispatch says which it ran."""
     p = _problem(shape, M, adapters=4)
     knob = dict(pdl="on", k1_in_k2="on")
-    y_tuned = projection_with(dict(knob, k1_in_k2_one_wave=False), mode, *p)
+    y_tuned = projection_with(dict(knob, k1_in_k2_one_wave="off"), mode, *p)
     dispatch.reset_report()
-    y_one = projection_with(dict(knob, k1_in_k2_one_wave=True), mode, *p)
+    y_one = projection_with(dict(knob, k1_in_k2_one_wave="on"), mode, *p)
     torch.cuda.synchronize()
     wave = dispatch.report()["lora_gemm.k1_wave"]
     print(f"\n[one_wave] {shape} M={M} {mode}: {wave}")

@@ -55,11 +55,13 @@ def test_outputs_equal_k1_in_its_own_launch(mode, with_meta, K):
     assert torch.equal(_run(x, q, sw, A, B, meta, mode, 16), y_own)      # the next launch waits again
 
 
-def test_one_launch_the_token_limit_and_the_default_modes():
-    """The default (k1_in_k2=w8a8): W8A8 calls with an adapter run one K2 launch holding K1's programs (after the
-    quantizer), W8A16 calls K1 in its own launch; above k1_in_k2_tokens, or with k1_in_k2=off, K1 launches alone."""
+def test_one_launch_the_token_limits_and_the_modes():
+    """The default (k1_in_k2=on): calls with an adapter run one K2 launch holding K1's programs (W8A8 after the
+    quantizer), W8A8 up to k1_in_k2_tokens, W8A16 up to k1_in_k2_w8a16_tokens; above them, with k1_in_k2=w8a8
+    for W8A16, or with k1_in_k2=off, K1 launches alone."""
     x, q, sw, A, B, slots, meta = _problem(K=1024)
-    assert knobs.knobs().k1_in_k2 == "w8a8" and knobs.knobs().k1_in_k2_tokens == 64
+    kn = knobs.knobs()
+    assert (kn.k1_in_k2, kn.k1_in_k2_tokens, kn.k1_in_k2_w8a16_tokens, kn.k1_in_k2_one_wave) == ("on", 64, 16, "w8a16")
 
     def kernels(mode):
         with dispatch.use_backend("triton"), tu.collect_launches() as launches:
@@ -70,16 +72,21 @@ def test_one_launch_the_token_limit_and_the_default_modes():
     assert names == ["_quant_rows_kernel", "_lora_gemm_kernel"] and kw["K1_PROGRAMS"]
     k1 = shrink_programs(x, A, meta)
     assert grid[0] > k1.programs and kw["K1_SPLIT_K"] == k1.config.split_k
-    assert kernels("w8a16")[0] == ["_lora_shrink_kernel", "_lora_gemm_kernel"]
-    knobs.set_knobs(k1_in_k2="on")
     assert kernels("w8a16")[0] == ["_lora_gemm_kernel"]
-    knobs.set_knobs(k1_in_k2_tokens=x.shape[0] - 1)              # more tokens than the limit: two launches again
+    knobs.set_knobs(k1_in_k2_w8a16_tokens=x.shape[0] - 1)          # W8A16's own limit: two launches, W8A8 one
+    assert kernels("w8a16")[0] == ["_lora_shrink_kernel", "_lora_gemm_kernel"]
+    assert kernels("w8a8")[1][3]["K1_PROGRAMS"]
+    knobs.set_knobs(k1_in_k2_w8a16_tokens=16, k1_in_k2="w8a8")
+    assert kernels("w8a16")[0] == ["_lora_shrink_kernel", "_lora_gemm_kernel"]
+    knobs.set_knobs(k1_in_k2="on", k1_in_k2_tokens=x.shape[0] - 1)  # more tokens than the limit: two launches again
     names, (_, _, _, kw) = kernels("w8a16")
     assert names == ["_lora_shrink_kernel", "_lora_gemm_kernel"] and not kw["K1_PROGRAMS"]
     knobs.set_knobs(k1_in_k2="off", k1_in_k2_tokens=64)      # (no PDL in the interpreter: K1 quantizes x)
     assert kernels("w8a8")[0] == ["_lora_shrink_kernel", "_lora_gemm_kernel"]
     with pytest.raises(ValueError, match=r"kernels\.k1_in_k2='yes'"):
         knobs.apply_config({"k1_in_k2": "yes"})
+    with pytest.raises(ValueError, match=r"kernels\.k1_in_k2_one_wave=True"):
+        knobs.apply_config({"k1_in_k2_one_wave": True})
 
 
 def test_w8a8_takes_its_decode_schedule_in_both_launches():
@@ -132,7 +139,7 @@ def test_one_wave_in_the_launch_and_the_knob_off(monkeypatch):
     monkeypatch.setattr(gemm_triton, "device_sms", lambda device, stand_in: 7)
 
     def launch(one_wave):
-        knobs.set_knobs(k1_in_k2_one_wave=one_wave)
+        knobs.set_knobs(k1_in_k2_one_wave="on" if one_wave else "off")
         dispatch.reset_report()
         y = _run(x, q, sw, A, B, meta, "w8a8", 16)
         wave = dispatch.report().get("lora_gemm.k1_wave")

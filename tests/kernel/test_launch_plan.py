@@ -181,7 +181,7 @@ def test_plans_per_layer_are_bounded(monkeypatch):
 def test_pdl_launches_replayed_as_recorded(k1_in_k2):
     """With PDL resolved on (as on an H200) and the launches collected: the replay's launches are the direct
     path's, argument by argument (the layer's tensors and the inputs the same objects, buffers alike in layout):
-    the quantizer and K2 holding K1's programs (knob k1_in_k2, the W8A8 default), or quantizer, K1 and K2."""
+    the quantizer and K2 holding K1's programs (knob k1_in_k2 at decode sizes, the default), or quantizer, K1 and K2."""
     knobs.set_knobs(k1_in_k2=k1_in_k2)
     layer, x = _layer("w8a8"), torch.randn(5, 64).bfloat16()
     layer.punica_wrapper.token_mapping_meta.prepare(torch.tensor([1, -1, 0, 1, 0]))

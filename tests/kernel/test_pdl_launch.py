@@ -19,7 +19,9 @@ pytestmark = pytest.mark.skipif(HAS_CUDA, reason="CPU resolution of the knob (te
 
 @pytest.fixture(autouse=True)
 def _restore():
-    saved = knobs.set_knobs()
+    # K1 in its own launch: these tests are about K2 as K1's programmatic dependent (knob k1_in_k2 puts K1 into K2's
+    # grid at decode sizes by default: tests/kernel/test_k1_in_k2.py)
+    saved = knobs.set_knobs(k1_in_k2="off")
     dispatch.reset_report()
     dispatch.reset_pdl_cache()          # the tests fake GPUs and patch pdl_unavailable: no answer may outlive one
     yield
