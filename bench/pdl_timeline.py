@@ -266,7 +266,11 @@ def summary_lines(times, timeline_rows):
 def _meta(a):
     import torch
     import triton
-    return dict(command=" ".join([sys.executable, *sys.argv]), gpu=torch.cuda.get_device_name(),
+    from rlfp8.kernels.knobs import ENV_VARS
+    # the knobs set from the environment (an A/B's variants differ only there): the arms set the rest themselves
+    env = {var: os.environ[var] for var in ENV_VARS if var in os.environ}
+    return dict(command=" ".join([*(f"{k}={v}" for k, v in env.items()), sys.executable, *sys.argv]),
+                gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__, date=datetime.date.today().isoformat(),
                 rank=RANK, reps=a.reps, timeline_reps=a.timeline_reps,
                 git=subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
