@@ -48,7 +48,7 @@ def _problem(shape, M, adapters=1, r=64, seed=0):
 
 
 def _run(in_k2, mode, *problem, prefetch=True):
-    return projection_with(dict(pdl="on", k1_in_k2="on" if in_k2 else "off", k2_prefetch_epilogue=prefetch), mode,
+    return projection_with(dict(pdl="on", k1_in_k2="on" if in_k2 else "off", k1_in_k2_w8a16_tokens=64, k2_prefetch_epilogue=prefetch), mode,
                            *problem)
 
 
