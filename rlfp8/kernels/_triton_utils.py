@@ -128,36 +128,32 @@ def require_triton_device(op: str, *tensors) -> None:
                            "for the CPU interpreter); use backend 'torch' on the CPU")
 
 
-_MAX_SMEM: dict[int, int] = {}
+_DEVICE_PROPERTIES: dict[tuple[int, str], int] = {}
+SMEM_PER_BLOCK_RESERVED = 1024     # sm_80+: shared memory the driver reserves per resident block
+
+
+def _driver_property(device, name: str, cpu_stand_in: int) -> int:
+    """One of Triton's driver properties of a CUDA device (cached per device); `cpu_stand_in` for CPU tensors
+    (the interpreter, the sm_90a compile test)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return cpu_stand_in
+    key = (dev.index if dev.index is not None else torch.cuda.current_device(), name)
+    if key not in _DEVICE_PROPERTIES:
+        from triton.runtime import driver
+        _DEVICE_PROPERTIES[key] = int(driver.active.utils.get_device_properties(key[0])[name])
+    return _DEVICE_PROPERTIES[key]
 
 
 def max_shared_mem(device, cpu_stand_in: int) -> int:
     """The per-block shared-memory limit (bytes) of a CUDA device, as Triton's driver reports it (the number it
-    checks launches against); `cpu_stand_in` for CPU tensors (the interpreter, the sm_90a compile test)."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return cpu_stand_in
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    if idx not in _MAX_SMEM:
-        from triton.runtime import driver
-        _MAX_SMEM[idx] = int(driver.active.utils.get_device_properties(idx)["max_shared_mem"])
-    return _MAX_SMEM[idx]
-
-
-_SMS: dict[int, int] = {}
-SMEM_PER_BLOCK_RESERVED = 1024     # sm_80+: shared memory the driver reserves per resident block
+    checks launches against)."""
+    return _driver_property(device, "max_shared_mem", cpu_stand_in)
 
 
 def device_sms(device, cpu_stand_in: int) -> int:
-    """The multiprocessor count of a CUDA device (Triton's driver); `cpu_stand_in` for CPU tensors."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return cpu_stand_in
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        from triton.runtime import driver
-        _SMS[idx] = int(driver.active.utils.get_device_properties(idx)["multiprocessor_count"])
-    return _SMS[idx]
+    """The multiprocessor count of a CUDA device."""
+    return _driver_property(device, "multiprocessor_count", cpu_stand_in)
 
 
 def programs_per_sm(smem: int, num_warps: int, max_shared: int, regs_per_thread: int) -> int:

@@ -747,11 +747,11 @@ K1_IN_K2_REGS = {("w8a8", False): 128, ("w8a8", True): 144, ("w8a16", False): 16
 
 
 def _one_wave(cfg: GemmConfig, mode: str, rank: int, programs: int, prefetch: bool, device) -> GemmConfig:
-    """K1 in K2's grid (knob k1_in_k2_one_wave, W8A16 by default): cfg with fewer pipeline stages (not below K1_IN_K2_MIN_STAGES)
-    where its `programs` (GEMM + K1) would not all be resident at once. K1's programs hold a GEMM program's
-    shared memory each, and a GEMM program left out of the first wave starts only when one of them ends, K1's
-    latency then lying on the GEMM's critical path. Stages only deepen the pipeline: the sums are the same.
-    dispatch records "lora_gemm.k1_wave" = one | fewer_stages | two."""
+    """K1 in K2's grid (knob k1_in_k2_one_wave, W8A16 by default): cfg with fewer pipeline stages (not below
+    K1_IN_K2_MIN_STAGES) where its `programs` (GEMM + K1) would not all be resident at once. K1's programs hold a
+    GEMM program's shared memory each, and a GEMM program left out of the first wave starts only when one of them
+    ends, K1's latency then lying on the GEMM's critical path. Stages only deepen the pipeline: the sums are the
+    same. dispatch records "lora_gemm.k1_wave" = one | fewer_stages | two."""
     fitted, verdict = _one_wave_config(cfg, mode, rank, programs, max_shared_mem(device, SM90_MAX_SMEM),
                                        device_sms(device, NUM_SMS_HINT), K1_IN_K2_REGS[mode, prefetch])
     dispatch.record(f"{OP}.k1_wave", verdict)

@@ -24,9 +24,10 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
     never reads the rows of tokens without adapter (no memset launch).
     With Triton kernels K2 is launched as K1's programmatic dependent where the knob `pdl` allows it (same
     bits); dispatch records "lora_gemm.launch" = pdl | stream. With the knob k1_in_k2 (default: calls of <=
-    k1_in_k2_tokens tokens, W8A16 <= k1_in_k2_w8a16_tokens) K1's shrink programs run instead as the first programs of K2's grid, K2 waiting on
-    their counter before its epilogue (same bits; dispatch "lora_gemm.k1" = in_k2; W8A8 then quantizes x in its
-    own kernel, K2 being its programmatic dependent with pdl_quant_k2, or takes the caller's codes).
+    k1_in_k2_tokens tokens, W8A16 <= k1_in_k2_w8a16_tokens) K1's shrink programs run instead as the first
+    programs of K2's grid, K2 waiting on their counter before its epilogue (same bits; dispatch "lora_gemm.k1" =
+    in_k2; W8A8 then quantizes x in its own kernel, K2 being its programmatic dependent with pdl_quant_k2, or takes
+    the caller's codes).
     W8A8: where x is quantized (same codes everywhere; dispatch records "lora_gemm.x_quant"): "k2" = inside K2
     at <= k2_quant_x_tokens tokens (no quantizer launch; the knob is 0 by default, since the H200 measured it
     slower), "k1" = beside K1's shrink, "kernel" = by its own kernel before K1 (or before K2 without an adapter:
@@ -52,8 +53,8 @@ def fp8_lora_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor, A=N
     out_dtype = out_dtype or (x.dtype if x.dtype != torch.float32 else torch.bfloat16)
     # knob k1_in_k2: K1's shrink programs run first in K2's grid (one launch; K2 waits on their counter before its
     # epilogue)
-    k1_in_k2 = (adapter_tokens and not quant_in_k2
-                and x.shape[0] <= min(kn.k1_in_k2_tokens, kn.k1_in_k2_w8a16_tokens if mode == "w8a16" else 1 << 62)
+    k1_in_k2_limit = min(kn.k1_in_k2_tokens, kn.k1_in_k2_w8a16_tokens) if mode == "w8a16" else kn.k1_in_k2_tokens
+    k1_in_k2 = (adapter_tokens and not quant_in_k2 and x.shape[0] <= k1_in_k2_limit
                 and (kn.k1_in_k2 == "on" or (kn.k1_in_k2 == "w8a8" and mode == "w8a8"))
                 and dispatch.would_choose("lora_shrink", x) == "triton"
                 and dispatch.would_choose("lora_gemm", x, q) == "triton")
