@@ -96,7 +96,7 @@ from .knobs import knobs
 from .gemm_ref import check_lora_gemm_args
 from .fp8_triton import ROUNDING_CODE, _quant_codes, _rows_scale
 from .metadata import LoRAMeta
-from .shrink_triton import ShrinkPrograms, _shrink_program, with_split
+from .shrink_triton import ShrinkPrograms, _shrink_program
 from .timeline import K1_END, K1_START, K2_END, K2_MAINLOOP_END, K2_START, K2_WAIT_ENTER, K2_WAIT_EXIT, stamp
 from .widen import _e4m3_to_bf16, _e4m3x2_to_bf16, _e4m3x4_to_bf16, _keep
 
@@ -771,34 +771,6 @@ def _one_wave_config(cfg: GemmConfig, mode: str, rank: int, programs: int, max_s
     return fitted, "one" if fitted == cfg else "fewer_stages"
 
 
-def _fit_k1_split(shrink: ShrinkPrograms, cfg: GemmConfig, mode: str, rank: int, gemm_programs: int, prefetch: bool,
-                  device) -> ShrinkPrograms:
-    """K1 in K2's grid, W8A8 (knob k1_in_k2_fit_split): `shrink` with its split-K halved until the GEMM's and K1's
-    programs are resident at once at cfg's stages (the GEMM programs left over otherwise start only when a K1
-    program ends); kept where it fits, or where not even split 1 would. dispatch records
-    "lora_shrink.k1_fit" = fits | fewer_splits | no_room."""
-    split, verdict = _k1_split_for_wave(shrink.config.split_k, shrink.programs // shrink.config.split_k,
-                                        gemm_programs, smem_bytes(cfg, mode, rank), cfg.num_warps,
-                                        max_shared_mem(device, SM90_MAX_SMEM), device_sms(device, NUM_SMS_HINT),
-                                        K1_IN_K2_REGS[mode, prefetch])
-    dispatch.record("lora_shrink.k1_fit", verdict)
-    return with_split(shrink, split)
-
-
-@functools.lru_cache(maxsize=1024)
-def _k1_split_for_wave(split: int, per_split: int, gemm_programs: int, smem: int, num_warps: int, max_shared: int,
-                       sms: int, regs: int) -> tuple[int, str]:
-    """(K1's split, verdict) for K1's `per_split` programs per split beside `gemm_programs` on `sms` SMs."""
-    free = sms * programs_per_sm(smem, num_warps, max_shared, regs) - gemm_programs
-    if split * per_split <= free:
-        return split, "fits"
-    if per_split > free:
-        return split, "no_room"
-    while split * per_split > free:
-        split //= 2
-    return split, "fewer_splits"
-
-
 def _split_k_buffers(cfg, m_tiles, n_tiles, dist_red, out):
     """(partials workspace, tile counters) for split-K; unused placeholders without it."""
     if cfg.split_k == 1:
@@ -951,9 +923,6 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     x_arg, x_tma = _x_operand(x, cfg, gather, quantize_x)
     programs = m_tiles * n_tiles * cfg.split_k
     variant = _variant_flags(cfg, mode, x, meta, slices, has_lora, dist_red, x_tma)   # (stages do not matter)
-    if (shrink is not None and config is None and mode == "w8a8" and knobs().k1_in_k2_fit_split
-            and not batch_invariant(mode)):
-        shrink = _fit_k1_split(shrink, cfg, mode, r, programs, variant["PREFETCH_EPI"], x.device)
     if shrink is not None and config is None and knobs().k1_in_k2_one_wave in ("on", mode):
         cfg = _one_wave(cfg, mode, r, programs + shrink.programs, variant["PREFETCH_EPI"], x.device)
     k1_args, k1_consts = _k1_block(shrink, programs if cfg.split_k == 1 or dist_red else m_tiles * n_tiles, dummy)

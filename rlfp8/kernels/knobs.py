@@ -99,13 +99,6 @@ class KernelKnobs:
     # no faster with it), "on" = both modes, "off" = the config as chosen. Same bits (stages do not change the
     # sums); dispatch records "lora_gemm.k1_wave" = one | fewer_stages | two
     k1_in_k2_one_wave: str = "w8a16"
-    # W8A8, K1 in K2's grid (not under batch_invariant=on): where K1's programs would push the grid into a second
-    # wave, K1 takes a smaller split-K (halved, down to 1) until GEMM and K1 programs are resident at once at the
-    # config's own stages; where not even split 1 would, K1 keeps its split. At decode sizes the Qwen3-8B
-    # down projection's 128 GEMM programs hold one SM each on 132 SMs: K1 split 16 (16 programs) would leave 12 of
-    # them for a second wave, split 4 (4 programs) does not. Changes W8A8's h summation order (as the split does);
-    # dispatch records "lora_shrink.k1_fit" = fits | fewer_splits | no_room
-    k1_in_k2_fit_split: bool = False
     # W8A8's K1 split-K cap at decode sizes (<= 16 tokens; W8A8 with batch_invariant=on excepted): 16 gives the
     # down projection (K = 12288) 16 programs of 768 K instead of 8 of 1,536 (the W8A8 layer with one adapter
     # ~1.5% faster on the H100, bench/README.md session 19); lowered where the tile's sum of partials would not
@@ -155,7 +148,6 @@ ENV_VARS = {
     "RLFP8_K1_IN_K2_ONE_WAVE": "k1_in_k2_one_wave",
     "RLFP8_K1_IN_K2_W8A16_TOKENS": "k1_in_k2_w8a16_tokens",
     "RLFP8_K1_DECODE_SPLIT_MAX": "k1_decode_split_max",
-    "RLFP8_K1_IN_K2_FIT_SPLIT": "k1_in_k2_fit_split",
     "RLFP8_ENGINE_GRAPH_QUANT": "engine_graph_quant",
     "RLFP8_BATCH_INVARIANT": "batch_invariant",
     "RLFP8_HOST_FAST": "host_fast",
@@ -166,7 +158,7 @@ _CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "pdl": PDL_MODE
             "batch_invariant": BATCH_INVARIANT, "k1_decode_rank_block": K1_DECODE_RANK_BLOCKS,
             "k1_in_k2": K1_IN_K2, "k1_in_k2_one_wave": K1_IN_K2_ONE_WAVE, "k1_decode_split_max": K1_DECODE_SPLIT_MAX}
 _FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "k2_mask_x_rows", "k2_prefetch_epilogue", "host_fast",
-          "tuned_nearest", "pdl_quant_k2", "k1_mask_x_rows", "engine_graph_quant", "k1_in_k2_fit_split")
+          "tuned_nearest", "pdl_quant_k2", "k1_mask_x_rows", "engine_graph_quant")
 _COUNTS = ("k2_quant_x_tokens", "k1_in_k2_tokens", "k1_in_k2_w8a16_tokens")
 _INTS = _COUNTS + ("k1_decode_rank_block", "k1_decode_split_max")       # read from the environment as ints
 

@@ -86,14 +86,11 @@ def shrink_config(M: int, K: int, r: int, split_max: int = SPLIT_MAX) -> ShrinkC
     split = max(1, min(K // 512, cdiv(128, m_tiles), split_max))
     while split > SPLIT_MAX and not _unrolled_sum(bm, shrink_rank_block(br, M), split, 4):
         split //= 2
-    return ShrinkConfig(bm, bk, split, num_warps=4, num_stages=_stages(bm, bk, br, cdiv(cdiv(K, bk), split)))
-
-
-def _stages(bm: int, bk: int, br: int, iters: int) -> int:
+    iters = cdiv(cdiv(K, bk), split)
     stages = max(1, min(3, iters))
     while stages > 1 and stages * (bm + shrink_rank_block(br)) * bk * 2 > 100 * 1024:
         stages -= 1
-    return stages
+    return ShrinkConfig(bm, bk, split, num_warps=4, num_stages=stages)
 
 
 def invariant_shrink_config(K: int, r: int) -> ShrinkConfig:
@@ -367,8 +364,6 @@ class ShrinkPrograms:
     rank: int
     config: ShrinkConfig
     consts: dict
-    meta: LoRAMeta | None       # (with_split lays the same call out again)
-    slices: int
 
 
 def _h_buffer(x, A3, meta, out):
@@ -381,16 +376,11 @@ def _h_buffer(x, A3, meta, out):
 
 
 def _shrink_layout(x, A3, meta, h, config, mode) -> ShrinkPrograms:
-    progs = _layout(x, A3, meta, h, _pick_shrink_config(config, x.shape[0], x.shape[1], A3[0].shape[1], mode))
-    dispatch.record(f"{OP}.rank_blocks", str(block_r(progs.rank) // progs.consts["K1_BR_BLOCK"]))
-    return progs
-
-
-def _layout(x, A3, meta, h, cfg: ShrinkConfig) -> ShrinkPrograms:
     M, K = x.shape
     _, r, _ = A3[0].shape
     L = len(A3)
     dev = x.device
+    cfg = _pick_shrink_config(config, M, K, r, mode)
     br = block_r(r)
     m_tiles = cdiv(M, cfg.block_m)
     n_seg = 1 if meta is None else max(meta.num_active, 1)
@@ -404,27 +394,13 @@ def _layout(x, A3, meta, h, cfg: ShrinkConfig) -> ShrinkPrograms:
         md = (meta.token_indices_sorted_by_lora_ids, meta.num_tokens_per_lora, meta.lora_token_start_loc,
               meta.active_lora_ids)
     red_unroll = _unrolled_sum(cfg.block_m, rb, cfg.split_k, cfg.num_warps)
+    dispatch.record(f"{OP}.rank_blocks", str(rank_blocks))
     consts = dict(K1_BLOCK_M=cfg.block_m, K1_BLOCK_R=br, K1_BLOCK_K=cfg.block_k, K1_SPLIT_K=cfg.split_k,
                   K1_EVEN_K=K % cfg.block_k == 0, K1_RED_UNROLL=red_unroll, K1_BR_BLOCK=rb,
                   K1_MASK_ROWS=knobs().k1_mask_x_rows and M <= 16, K1_STAGES=cfg.num_stages)
     out = ShrinkOut(h, None, None, workspace=ws if cfg.split_k > 1 else None)
     return ShrinkPrograms(out, cfg.split_k * rank_blocks * m_tiles * L * n_seg, x, A3 + [A3[0]] * (3 - L), ws, cnt,
-                          md, m_tiles, r, cfg, consts, meta, L)
-
-
-def with_split(progs: ShrinkPrograms, split: int) -> ShrinkPrograms:
-    """The same call's shrink programs with K1's split-K lowered to `split` (K2's grid fitting one wave: knob
-    k1_in_k2_fit_split), the same h buffer; the pipeline depth as shrink_config chooses it for that split. A
-    smaller split changes the order of h's sums (W8A8's per-token-count schedule only)."""
-    if not 1 <= split <= progs.config.split_k:
-        raise ValueError(f"rlfp8.kernels.{OP}: with_split({split}): from 1 to the layout's split "
-                         f"{progs.config.split_k}")
-    if split == progs.config.split_k:
-        return progs
-    c, K = progs.config, progs.x.shape[1]
-    cfg = ShrinkConfig(c.block_m, c.block_k, split, c.num_warps,
-                       _stages(c.block_m, c.block_k, block_r(progs.rank), cdiv(cdiv(K, c.block_k), split)))
-    return _layout(progs.x, progs.a3[:progs.slices], progs.meta, progs.out.h, cfg)
+                          md, m_tiles, r, cfg, consts)
 
 
 def shrink_programs(x: torch.Tensor, A, meta: LoRAMeta | None = None, out: torch.Tensor | None = None,

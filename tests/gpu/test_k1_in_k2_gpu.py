@@ -2,8 +2,7 @@
 give the same bits as K1 in its own launch (K2 its programmatic dependent), every Qwen3-8B projection shape, both
 modes, M in {1, 4, 16, 64}, one rank-64 adapter with tokens without adapter beside it and four adapters at once;
 repeated eagerly and replayed 100 times from a CUDA graph, every result bit-identical (the counter protocol
-leaves no race and resets itself). Knob k1_in_k2_fit_split: W8A8's K1 at the split that fits one wave gives the
-bits of K1 laid out at that split. Also knob k2_prefetch_epilogue: K2's epilogue loads before its main loop at
+leaves no race and resets itself). Also knob k2_prefetch_epilogue: K2's epilogue loads before its main loop at
 <= 16 tokens give the bits of the loads after it, K1 in K2's grid or in its own launch, and beside a distributed
 split-K sum.
     python -m pytest tests/gpu/test_k1_in_k2_gpu.py -m gpu -v -s
@@ -22,7 +21,6 @@ from rlfp8.kernels.gemm_triton import lora_gemm_triton
 from rlfp8.kernels.knobs import restore_knobs, set_knobs
 from rlfp8.kernels.metadata import build_lora_meta
 from rlfp8.kernels.shrink_ref import lora_shrink_ref
-from rlfp8.kernels.shrink_triton import shrink_programs, with_split
 from tests.gpu.test_pdl_gpu import projection_with, require_sm90
 
 pytestmark = pytest.mark.gpu
@@ -184,41 +182,3 @@ def test_prefetched_epilogue_beside_a_distributed_split_k_sum(mode):
             assert rep["lora_gemm.prefetch_epilogue"] == {"on" if prefetch else "off": 1}
         torch.cuda.synchronize()
         assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1]), m is None
-
-
-@pytest.mark.parametrize("M", (1, 16))
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_fit_split_gives_the_bits_of_k1_laid_out_at_that_split(shape, M):
-    """Knob k1_in_k2_fit_split (W8A8): K1's split lowered until the grid fits one wave equals K1's programs laid out
-    at that split with the knob off, bit for bit, repeated 20 times; the default split's output up to the order
-    of h's sums. On a 132-SM GPU the Qwen3-8B down projection takes the fewer splits (128 GEMM programs, one per
-    SM)."""
-    x, q, sw, A, B, meta = _problem(shape, M)
-    xq, xs = fp8.quantize_activation(x)
-
-    def in_grid(fit, split=None):
-        progs = shrink_programs(x, A, meta, mode="w8a8")
-        progs = progs if split is None else with_split(progs, split)
-        saved = set_knobs(k1_in_k2_fit_split=fit, k1_in_k2_one_wave="off")
-        try:
-            with tu.collect_launches() as launches:            # the K1 split the launch takes (captured, not run)
-                lora_gemm_triton(xq, q, sw, x_scale=xs, h=progs.out.h, B=B, meta=meta, shrink=progs)
-            dispatch.reset_report()
-            y = lora_gemm_triton(xq, q, sw, x_scale=xs, h=progs.out.h, B=B, meta=meta, shrink=progs)
-            return y, launches[0][3]["K1_SPLIT_K"], dispatch.report().get("lora_shrink.k1_fit")
-        finally:
-            restore_knobs(saved)
-
-    y_fit, split, rec = in_grid(True)
-    y_at, split_at, _ = in_grid(False, split)
-    y_default, split_default, rec_off = in_grid(False)
-    torch.cuda.synchronize()
-    print(f"\n[fit_split] {shape} M={M}: {rec}, split {split_default} -> {split}")
-    assert rec_off is None and sum(rec.values()) == 1 and set(rec) <= {"fits", "fewer_splits", "no_room"}
-    assert (split < split_default) == ("fewer_splits" in rec) and split_at == split
-    assert y_fit.abs().sum() > 0 and torch.equal(y_fit, y_at)
-    torch.testing.assert_close(y_fit.float(), y_default.float(), rtol=2e-2, atol=2e-2)
-    for _ in range(20):
-        assert torch.equal(in_grid(True)[0], y_fit)
-    if shape == "down" and tu.device_sms(x.device, 132) == 132:
-        assert rec == {"fewer_splits": 1}                 # 4 free slots: split 4 (1 token), 2 (2 segments at 16)

@@ -31,7 +31,7 @@ from rlfp8.kernels.gemm_configs import (GLUON_SCHEDULE, M_BUCKETS, GemmConfig, _
                                         _tuned_table, gemm_config, invariant_gemm_config, reduction_schedule)
 from rlfp8.kernels.gemm_triton import lora_gemm_triton  # noqa: E402
 from rlfp8.kernels.knobs import restore_knobs, set_knobs  # noqa: E402
-from rlfp8.kernels.shrink_triton import lora_shrink_triton, shrink_programs, with_split  # noqa: E402
+from rlfp8.kernels.shrink_triton import lora_shrink_triton, shrink_programs  # noqa: E402
 from rlfp8.kernels.metadata import build_lora_meta  # noqa: E402
 
 SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (4096, [12288, 12288]),
@@ -191,7 +191,7 @@ def _rank_and_pdl_launches(r: int = 64) -> None:
 
 def _k1_in_k2_launches(r: int = 64) -> None:
     """Knob k1_in_k2: K1's programs in K2's grid at decode sizes, every projection, W8A16 (plain launch) and W8A8
-    (the quantizer's dependent: early wait, L2 prefetch; K1 also at splits 4 and 1, knob k1_in_k2_fit_split)."""
+    (the quantizer's dependent: early wait, L2 prefetch)."""
     for name, (K, widths) in SHAPES.items():
         q, sw = _e(sum(widths), K, dtype=FP8), torch.empty(sum(widths))
         for M in (1, 16):
@@ -200,10 +200,8 @@ def _k1_in_k2_launches(r: int = 64) -> None:
             progs = shrink_programs(x, A, meta, out=torch.empty(len(widths), M, r))
             lora_gemm_triton(x, q, sw, h=progs.out.h, B=B, meta=meta, shrink=progs)
             progs = shrink_programs(x, A, None, out=torch.empty(len(widths), M, r), mode="w8a8")
-            for split in sorted({progs.config.split_k, 4, 1}):       # and K1's splits of knob k1_in_k2_fit_split
-                fitted = with_split(progs, min(split, progs.config.split_k))
-                lora_gemm_triton(_e(M, K, dtype=FP8), q, sw, x_scale=torch.empty(M, 1), h=progs.out.h,
-                                 B=[b[:1] for b in B], shrink=fitted, use_pdl=True)
+            lora_gemm_triton(_e(M, K, dtype=FP8), q, sw, x_scale=torch.empty(M, 1), h=progs.out.h,
+                             B=[b[:1] for b in B], shrink=progs, use_pdl=True)
 
 
 def _prefetch_epilogue_launches(r: int = 64) -> None:

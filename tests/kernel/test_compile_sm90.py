@@ -267,7 +267,7 @@ def test_k1_in_k2_grids_compile_without_spills(compiled):
             if r["regs"] > K1_IN_K2_REGS["w8a16" if r["constexprs"]["WIDEN_W"] else "w8a8",
                                          bool(r["constexprs"]["PREFETCH_EPI"])]]
     assert not over, over
-    assert {r["constexprs"]["K1_SPLIT_K"] for r in fused} >= {1, 4, 8, 16}  # W8A8's decode split (down: 16), fitted
+    assert {r["constexprs"]["K1_SPLIT_K"] for r in fused} >= {8, 16}        # W8A8's decode split (down: 16)
     assert all(r["constexprs"]["K1_RED_UNROLL"] for r in fused)
     w8a16 = [r for r in fused if r["constexprs"]["WIDEN_W"]]
     assert w8a16 and all(not r["gdc_wait"] and not r["launch_pdl"] for r in w8a16)

@@ -11,12 +11,10 @@ from rlfp8.kernels import _triton_utils as tu
 from rlfp8.kernels import dispatch, knobs
 from rlfp8.kernels.gemm_configs import GemmConfig
 from rlfp8.kernels import gemm_triton
-from rlfp8.kernels.fp8_ref import quantize_activation_ref
-from rlfp8.kernels.gemm_configs import smem_bytes
-from rlfp8.kernels.gemm_triton import K1_IN_K2_REGS, _k1_split_for_wave, _one_wave_config, lora_gemm_triton
+from rlfp8.kernels.gemm_triton import K1_IN_K2_REGS, _one_wave_config, lora_gemm_triton
 from rlfp8.kernels.metadata import build_lora_meta
 from rlfp8.kernels.projection import fp8_lora_linear
-from rlfp8.kernels.shrink_triton import lora_shrink_triton, shrink_programs, with_split
+from rlfp8.kernels.shrink_triton import shrink_programs
 from tests.conftest import HAS_CUDA
 from tests.kernel.test_pdl_launch import _problem
 
@@ -155,78 +153,6 @@ def test_one_wave_in_the_launch_and_the_knob_off(monkeypatch):
     assert wave_off is None and wave_on == {"fewer_stages": 1}
     assert (stages_on, stages_off) == (3, 5)
     assert torch.equal(y_on, y_off)
-
-
-def test_fit_split_halves_k1_where_its_programs_overflow_the_first_wave():
-    """Knob k1_in_k2_fit_split on sm_90's numbers (227 KiB per block, 132 SMs, W8A8 decode configs): down's 128 GEMM
-    programs hold one SM each, so K1's 16 (split 16) leave 12 GEMM programs for a second wave; split 4 (4 programs)
-    fills the 132 slots exactly. gate_up's 384 at three per SM leave 12 slots: K1's 2 slices x split 8 -> split 4.
-    qkv (96 programs, two per SM) keeps its split; where not even split 1 fits, K1 stays as it is."""
-    smem, sms, regs = 232448, 132, K1_IN_K2_REGS["w8a8", False]
-
-    def fit(cfg, split, per_split, gemm):
-        return _k1_split_for_wave(split, per_split, gemm, smem_bytes(cfg, "w8a8", 64), cfg.num_warps, smem, sms, regs)
-
-    assert fit(DOWN_DECODE, 16, 1, 128) == (4, "fewer_splits")
-    assert fit(GATE_UP_DECODE, 8, 2, 384) == (4, "fewer_splits")
-    assert fit(dataclasses.replace(DOWN_DECODE, split_k=1, num_stages=5), 8, 3, 96) == (8, "fits")
-    assert fit(DOWN_DECODE, 16, 1, 132) == (16, "no_room")
-    assert fit(GATE_UP_DECODE, 8, 16, 384) == (8, "no_room")     # 16 programs per split, 12 slots
-
-
-def test_with_split_lays_out_the_same_call_with_a_smaller_split():
-    """with_split: K1's programs of the same call at a lower split-K write the h of K1's own launch at that split,
-    bit for bit, into the same buffer; a split above the layout's, or below 1, is refused."""
-    x, q, sw, A, B, slots, meta = _problem(K=1024)
-    progs = shrink_programs(x, A, meta, mode="w8a8")
-    assert progs.config.split_k == 2 and progs.programs == 18            # 2 splits x 3 slices x 3 segments
-    one = with_split(progs, 1)
-    assert one.config.split_k == 1 and one.programs == 9 and one.out.h is progs.out.h
-    assert with_split(progs, 2) is progs
-    for bad in (0, 3):
-        with pytest.raises(ValueError, match=rf"with_split\({bad}\): from 1 to the layout's split 2"):
-            with_split(progs, bad)
-    own = lora_shrink_triton(x, A, meta, config=one.config, mode="w8a8").h
-    x_q, x_s = quantize_activation_ref(x)
-    with dispatch.use_backend("triton"):
-        lora_gemm_triton(x_q, q, sw, x_scale=x_s, h=one.out.h, B=B, meta=meta, shrink=one, out_dtype=torch.float32)
-    rows = slots >= 0                                                     # rows without adapter are never written
-    assert torch.equal(one.out.h[:, rows], own[:, rows])
-
-
-def test_fit_split_in_the_launch_and_the_knob_off(monkeypatch):
-    """On a 7-SM stand-in (2 programs per SM at W8A8's 5 stages: 14 slots) the GEMM's 2 programs leave 12 slots for
-    K1's 18 (split 2): K1 takes split 1 and the grid holds 11 programs; the output equals K1 laid out at split 1
-    with the knob off, bit for bit, and the split-2 output up to the order of h's sums. On 4 SMs (6 free slots)
-    not even split 1 fits and K1 keeps its split. Knob off: nothing recorded, split 2."""
-    x, q, sw, A, B, slots, meta = _problem(K=1024)
-    x_q, x_s = quantize_activation_ref(x)
-    knobs.set_knobs(k1_in_k2_one_wave="off")
-
-    def launch(fit, sms, split=None):
-        knobs.set_knobs(k1_in_k2_fit_split=fit)
-        monkeypatch.setattr(gemm_triton, "device_sms", lambda device, stand_in: sms)
-        progs = shrink_programs(x, A, meta, mode="w8a8")
-        progs = progs if split is None else with_split(progs, split)
-        dispatch.reset_report()
-        with dispatch.use_backend("triton"):
-            y = lora_gemm_triton(x_q, q, sw, x_scale=x_s, h=progs.out.h, B=B, meta=meta, shrink=progs,
-                                 out_dtype=torch.float32)
-            fit_rec = dispatch.report().get("lora_shrink.k1_fit")
-            with tu.collect_launches() as launches:             # (captured, not run)
-                lora_gemm_triton(x_q, q, sw, x_scale=x_s, h=progs.out.h, B=B, meta=meta, shrink=progs,
-                                 out_dtype=torch.float32)
-        (grid, kw) = [(g, kw) for k, g, _, kw in launches if k.fn.__name__ == "_lora_gemm_kernel"][0]
-        return y, grid[0], kw["K1_SPLIT_K"], fit_rec
-
-    y_fit, grid_fit, split_fit, rec_fit = launch(True, 7)
-    assert (grid_fit, split_fit, rec_fit) == (11, 1, {"fewer_splits": 1})
-    y_one, grid_one, split_one, rec_one = launch(False, 7, split=1)
-    assert (grid_one, split_one, rec_one) == (11, 1, None) and torch.equal(y_fit, y_one)
-    y_two, grid_two, split_two, _ = launch(False, 7)
-    assert (grid_two, split_two) == (20, 2)
-    torch.testing.assert_close(y_fit, y_two, rtol=1e-5, atol=1e-5)
-    assert launch(True, 4)[1:] == (20, 2, {"no_room": 1})
 
 
 def test_bad_shrink_programs_are_refused():
