@@ -240,6 +240,7 @@ _BIG = tl.constexpr(1 << 30)    # "no more slots" sentinel (kernels may only rea
 @triton.jit
 def _lora_gemm_kernel(
     w_ptr, x_ptr, y_ptr, sw_ptr, sx_ptr,          # w_ptr: pointer, or a TensorDescriptor when W_TMA
+    wq_ptr,                                       # the codes' pointer (w_ptr's tensor): the L2 prefetch's rows
     h_ptr, b0_ptr, b1_ptr, b2_ptr, slot_ptr, perm_ptr, g_ptr, bias_ptr,
     part_ptr, cnt_ptr,
     k1_x_ptr, k1_a0_ptr, k1_a1_ptr, k1_a2_ptr, k1_ws_ptr, k1_cnt_ptr,     # K1's programs in this grid (K1_PROGRAMS)
@@ -338,7 +339,7 @@ def _lora_gemm_kernel(
         if PDL_WAIT_EARLY:
             # x_q / x_scale come from K1 (W8A8): only the weights may be touched before the wait
             if PDL_WAIT_EARLY == 2:
-                _prefetch_weight_rows(w_ptr, n_ld, stride_wn, pid % SPLIT_K, K, BLOCK_K, SPLIT_K)
+                _prefetch_weight_rows(wq_ptr, n_ld, stride_wn, pid % SPLIT_K, K, BLOCK_K, SPLIT_K)
             stamp(pid == 0, K2_WAIT_ENTER, False)
             tl.extra.cuda.gdc_wait()
             stamp(pid == 0, K2_WAIT_EXIT, False)
@@ -825,14 +826,15 @@ def _x_operand(x, cfg, gather, quantize_x):
     return x_arg, x_tma
 
 
-def _pdl_wait_early(mode, use_pdl, q, K, w_tma, x_from_primary=True):
-    """W8A8 with x_q from K1 waits for K1 before its main loop; with PDL it first prefetches its weight rows into
-    L2 (2) where they are plain 16-byte aligned rows (not a TMA descriptor). W8A16, and W8A8 with x quantized
-    before K1 (x_from_primary=False), wait before the epilogue (False)."""
+def _pdl_wait_early(mode, use_pdl, q, K, x_from_primary=True):
+    """W8A8 with x_q from K1 (or the quantizer) waits for it before its main loop; with PDL it first prefetches its
+    weight rows into L2 (2) where they are plain 16-byte aligned rows, whether the main loop then reads them through
+    TMA or pointers (the H100: the W8A8 down projection's TMA tile idled ~5.8 us in that wait without). W8A16, and
+    W8A8 with x quantized before K1 (x_from_primary=False), wait before the epilogue (False)."""
     if mode != "w8a8" or not x_from_primary:
         return False
     aligned = q.stride(1) == 1 and q.stride(0) % 16 == 0 and q.data_ptr() % 16 == 0 and K % 16 == 0
-    return 2 if use_pdl and not w_tma and aligned else True
+    return 2 if use_pdl and aligned else True
 
 
 def _variant_flags(cfg, mode, x, meta, slices, has_lora, dist_red, x_tma) -> dict:
@@ -927,7 +929,7 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
         cfg = _one_wave(cfg, mode, r, programs + shrink.programs, variant["PREFETCH_EPI"], x.device)
     k1_args, k1_consts = _k1_block(shrink, programs if cfg.split_k == 1 or dist_red else m_tiles * n_tiles, dummy)
     launch(_lora_gemm_kernel, (programs + (shrink.programs if shrink is not None else 0),),
-           w_arg, x_arg, out, w_scale if w_scale is not None else dummy, x_scale if x_scale is not None else dummy,
+           w_arg, x_arg, out, w_scale if w_scale is not None else dummy, x_scale if x_scale is not None else dummy, q,
            h if has_lora else dummy, *b_ptrs, slot_t, perm_t, g if g is not None else dummy,
            bias if bias is not None else dummy, part, cnt, *k1_args,
            M, N, K, r, ends[0], ends[1],
@@ -942,7 +944,7 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
            LORA_PREC=lora_precision, LORA_DT=_lora_dt(slices[0].dtype if has_lora else None),
            EVEN_K=K % cfg.block_k == 0, EVEN_N=N % cfg.block_n == 0,
            USE_PDL=use_pdl, W_TMA=w_tma, QUANT_X=ROUNDING_CODE[quantize_x] if quantize_x else 0,
-           PDL_WAIT_EARLY=_pdl_wait_early(mode, use_pdl, q, K, w_tma, x_from_primary and quantize_x is None),
+           PDL_WAIT_EARLY=_pdl_wait_early(mode, use_pdl, q, K, x_from_primary and quantize_x is None),
            SWAP_AB=cfg.swap_ab, X_TMA=x_tma, **variant,
            **k1_consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=use_pdl)
     return out
