@@ -829,7 +829,7 @@ def _x_operand(x, cfg, gather, quantize_x):
 def _pdl_wait_early(mode, use_pdl, q, K, x_from_primary=True):
     """W8A8 with x_q from K1 (or the quantizer) waits for it before its main loop; with PDL it first prefetches its
     weight rows into L2 (2) where they are plain 16-byte aligned rows, whether the main loop then reads them through
-    TMA or pointers (the H100: the W8A8 down projection's TMA tile idled ~5.8 us in that wait without). W8A16, and
+    TMA or pointers (a TMA tile would otherwise idle through the wait: bench/README.md, session 21). W8A16, and
     W8A8 with x quantized before K1 (x_from_primary=False), wait before the epilogue (False)."""
     if mode != "w8a8" or not x_from_primary:
         return False
