@@ -24,6 +24,8 @@
 #   decode_tune  set-up, then the W8A8 decode keys retuned (bench/kernel_bench.py --tune, TUNE_KEYS / TUNE_S) and the
 #            layer/GEMM rows without training rows, in one call; the table to $OUT/r
 #   k1_in_k2 the GPU tests of knob k1_in_k2, then bench/pdl_timeline.py (its k1_in_k2 arm beside base/stream/pdl)
+#   epilogue bench/lab/explore_decode_epilogue.py (K2's adapter cost at decode sizes, the places of
+#            k2_prefetch_epilogue), then their GPU tests
 #   knob_ab  bench/lab/projection_knob_ab.py for the decode-path knobs (k1_decode_rank_block, k1_mask_x_rows,
 #            pdl_quant_k2, k2_quant_x_tokens, k2_prefetch_epilogue): each knob's arms as paired CUDA graphs on the
 #            engine projection, bits compared
@@ -224,13 +226,28 @@ k1_in_k2)  # ~2 min + ~50 s per variant, no kit needed: knob k1_in_k2's GPU test
         grep -E "acceptance" "$OUT/pdl_timeline_$label.log" | grep k1_in_k2 | cut -c1-200
     done
     ;;
+epilogue)  # ~5 min, no kit: bench/lab/explore_decode_epilogue.py (where K2's adapter cost goes at decode sizes; every
+           # place of knob k2_prefetch_epilogue, on the layer and per projection; EPI_TOKENS, default "1 16"), then the
+           # prefetch GPU tests -> $OUT/r/explore_decode_epilogue_<gpu>.json (an H100 runs the H200's tuned table)
+    mkdir -p "$OUT/r"
+    gpu=h100; nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && gpu=h200
+    [ $gpu = h100 ] && export RLFP8_TUNED_GPU="${RLFP8_TUNED_GPU:-NVIDIA H200}"
+    timeout ${T_BENCH:-300} $PY bench/lab/explore_decode_epilogue.py --tokens ${EPI_TOKENS:-1 16} \
+        --out "$OUT/r/explore_decode_epilogue_$gpu.json" > "$OUT/r/explore_decode_epilogue_$gpu.log" 2>&1
+    echo "explore_decode_epilogue rc=$?"; grep -E "layer" "$OUT/r/explore_decode_epilogue_$gpu.log" | cut -c1-220
+    timeout ${T_TESTS:-150} $PY -m pytest tests/gpu/test_k1_in_k2_gpu.py -m gpu -q -x -k prefetch \
+        > "$OUT/r/prefetch_tests_$gpu.log" 2>&1
+    echo "prefetch tests rc=$?"; tail -3 "$OUT/r/prefetch_tests_$gpu.log"
+    ;;
 knob_ab)  # ~6 min: A/B of the decode-path knobs on the engine projection (bench/lab/projection_knob_ab.py: paired
           # CUDA graphs, bits compared), one file per knob in $OUT/r (KNOB_AB: "a|b|modes;..." to choose others)
     mkdir -p "$OUT/r"
     d="k1_decode_rank_block=0|k1_decode_rank_block=16|w8a8,w8a16;k1_mask_x_rows=false|k1_mask_x_rows=true|w8a8,w8a16"
     d="$d;k1_decode_rank_block=0|k1_decode_rank_block=16,k1_mask_x_rows=true|w8a8,w8a16"
     d="$d;pdl_quant_k2=false|pdl_quant_k2=true|w8a8;k2_quant_x_tokens=0|k2_quant_x_tokens=16|w8a8"
-    d="$d;k2_prefetch_epilogue=false|k2_prefetch_epilogue=true|w8a8,w8a16"
+    d="$d;k2_prefetch_epilogue=off|k2_prefetch_epilogue=before_loop|w8a8,w8a16"
+    d="$d;k2_prefetch_epilogue=off|k2_prefetch_epilogue=after_loop|w8a8,w8a16"
+    d="$d;k2_prefetch_epilogue=off|k2_prefetch_epilogue=split|w8a8,w8a16"
     IFS=';' read -ra abs <<< "${KNOB_AB:-$d}"
     for ab in "${abs[@]}"; do
         IFS='|' read -r a b modes <<< "$ab"; name=${b//=/_}; name=${name//,/_and_}

@@ -51,9 +51,11 @@ Kernel strategy (Hopper):
     the next slot's B tile prefetched, so a tile with 16-32 slots waits for one memory round trip instead of
     two per slot).
   * decode (<= 16 tokens, knob k2_prefetch_epilogue): the epilogue's operands that K1 does not write (s_w, s_x,
-    the rows' slots, the first slot's B tile at rank <= 64 without the slot pipeline) are loaded before the main
-    loop, after any early PDL wait, and held in registers, so their DRAM round trips overlap the main loop instead
-    of following it (and the wait for h). Same values, same arithmetic: the same bits.
+    the rows' slots, the first slot's B tile at rank <= 64 without the slot pipeline) are loaded ahead of the
+    epilogue, so their DRAM round trips do not follow the wait for h one after another: before the main loop
+    (after any early PDL wait) and held in registers across it; right after it, before the split-K exchange and
+    the wait (nothing held across the loop); or split (scales and slots before, the B tile after). Same values,
+    same arithmetic: the same bits.
   * the wait point for h is explicit: with USE_PDL a `gdc_wait()` sits right before the epilogue reads h
     (before the main loop in W8A8 when its x_q also comes from K1: PDL_WAIT_EARLY), so K2 launched as K1's programmatic
     dependent (rlfp8.kernels.projection) overlaps K1 with its main loop. In W8A8 the first-wave programs
@@ -228,9 +230,68 @@ def _rows_amax(x_ptr, rows64, m_ok, K, stride_xm, stride_xk, BLOCK_M: tl.constex
     return tl.max(amax, axis=1)
 
 
-# calls of at most this many tokens (decode) load the epilogue's weight-side operands before the main loop (knob
-# k2_prefetch_epilogue)
+@triton.jit
+def _epilogue_row_operands(sw_ptr, sx_ptr, slot_ptr, n_ld, rows64, m_ok, SCALE_W: tl.constexpr, HAS_XS: tl.constexpr,
+                           QUANT_X: tl.constexpr, HAS_LORA: tl.constexpr, ALL_SLOT0: tl.constexpr,
+                           PREFETCH_ROWS: tl.constexpr):
+    """PREFETCH_EPI's small operands: (s_w [BN], s_x [BM], the rows' slots [BM]), each the epilogue's own load, or 0
+    where the epilogue does not take it from here."""
+    sw = 0.0
+    sx = 0.0
+    slots = 0
+    if SCALE_W == 1:
+        sw = tl.load(sw_ptr + n_ld)
+    if PREFETCH_ROWS:
+        if HAS_XS:
+            if not QUANT_X:
+                sx = tl.load(sx_ptr + rows64)
+        if HAS_LORA:
+            if not ALL_SLOT0:
+                slots = tl.load(slot_ptr + rows64, mask=m_ok, other=-1)
+    return sw, sx, slots
+
+
+@triton.jit
+def _first_b_tile(b0_ptr, b1_ptr, b2_ptr, slots, offs_n, pid_n, N, R, end0, end1, stride_bs0, stride_bs1, stride_bs2,
+                  stride_bn, stride_br, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SLICES: tl.constexpr,
+                  ALL_SLOT0: tl.constexpr):
+    """PREFETCH_EPI's B tile: (the tile [BN, BR], the slice holding the tile's first column, the first slot). The
+    elements the slice loop loads for that slice and the first slot (a tile straddling two slices loads the second
+    one's in the loop). The slot's offset goes into the row pointer and its "none" into the column mask, so that no
+    [BN, BR] pointer or mask is shared with the epilogue's (held across the main loop, it cost registers)."""
+    tile_lo = pid_n * BLOCK_N
+    first_slice = 0
+    first_slot = 0
+    if N_SLICES == 1:
+        first_lo = 0
+        first_hi = end0
+        first_b = b0_ptr
+        first_bs = stride_bs0
+    else:
+        first_slice = (tile_lo >= end0).to(tl.int32) + (tile_lo >= end1).to(tl.int32)   # (ends past L: N)
+        first_lo = tl.where(first_slice == 0, 0, tl.where(first_slice == 1, end0, end1))
+        first_hi = tl.where(first_slice == 0, end0, tl.where(first_slice == 1, end1, N))
+        first_b = tl.where(first_slice == 0, b0_ptr, tl.where(first_slice == 1, b1_ptr, b2_ptr))
+        first_bs = tl.where(first_slice == 0, stride_bs0, tl.where(first_slice == 1, stride_bs1, stride_bs2))
+    offs_r = tl.arange(0, BLOCK_R)
+    if ALL_SLOT0:
+        first_row = first_b
+        first_cols = (offs_n >= first_lo) & (offs_n < first_hi)
+    else:
+        # the while loop's first slot (none: the tile's rows have no adapter, nothing to load)
+        first_slot = tl.min(tl.where(slots >= 0, slots, _BIG))
+        first_row = first_b + tl.where(first_slot < _BIG, first_slot, 0).to(tl.int64) * first_bs
+        first_cols = (offs_n >= first_lo) & (offs_n < first_hi) & (first_slot < _BIG)
+    first_col = tl.where(first_cols, offs_n - first_lo, 0).to(tl.int64)
+    bt_first = tl.load(first_row + first_col[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                       mask=first_cols[:, None] & (offs_r < R)[None, :], other=0.0)
+    return bt_first, first_slice, first_slot
+
+
+# calls of at most this many tokens (decode) load the epilogue's operands that K1 does not write ahead of the
+# epilogue (knob k2_prefetch_epilogue: where)
 PREFETCH_EPI_TOKENS = 16
+PREFETCH_EPI_CODES = {"off": 0, "before_loop": 1, "after_loop": 2, "split": 3}
 _PIPE_SLOTS_OVERRIDE: bool | None = None     # tests only: force the multi-adapter epilogue variant on or off
 _BIG = tl.constexpr(1 << 30)    # "no more slots" sentinel (kernels may only read constexpr globals)
 
@@ -281,7 +342,7 @@ def _lora_gemm_kernel(
     QUANT_X: tl.constexpr,      # W8A8 on 16-bit x: 0 = x is e4m3 codes + x_scale; 1 ("div") / 2 ("recip") = the
                                 # program quantizes its x tiles per token itself (fp8_triton's arithmetic)
     PREFETCH_EPI: tl.constexpr, # decode (knob k2_prefetch_epilogue): the epilogue's operands that K1 does not write
-                                # are loaded before the main loop (see there)
+                                # are loaded ahead: 1 before the main loop, 2 after it, 3 split (see there)
     K1_PROGRAMS: tl.constexpr,  # the grid's first k1_programs programs are K1's shrink (knob k1_in_k2): the GEMM's
                                 # programs wait on K1's counter k1_sync_ptr[0] before the epilogue
     K1_BLOCK_M: tl.constexpr, K1_BLOCK_R: tl.constexpr, K1_BLOCK_K: tl.constexpr, K1_SPLIT_K: tl.constexpr,
@@ -345,52 +406,23 @@ def _lora_gemm_kernel(
             stamp(pid == 0, K2_WAIT_EXIT, False)
 
     # ---- PREFETCH_EPI: at decode sizes the main loop is short and the epilogue's DRAM round trips after it are a
-    # large part of the program, so what K1 does not write is loaded here (after the early wait: sx may come from the
-    # PDL primary) and held in registers: the same values the epilogue's own loads would give. sw always; sx and the
-    # rows' slots where the epilogue keeps these rows (a distributed split-K sum recomputes them per program); the
-    # first slot's B tile in the one-chunk epilogues (rank <= 64) without the slot pipeline
-    PREFETCH_ROWS: tl.constexpr = PREFETCH_EPI and not (SPLIT_K > 1 and DIST_RED)
-    PREFETCH_B: tl.constexpr = (PREFETCH_EPI and HAS_LORA and _rank_chunk(BLOCK_R) == BLOCK_R
+    # large part of the program, so what K1 does not write is loaded ahead (after the early wait: sx may come from
+    # the PDL primary): the same values the epilogue's own loads would give. sw always; sx and the rows' slots where
+    # the epilogue keeps these rows (a distributed split-K sum recomputes them per program); the first slot's B tile
+    # in the one-chunk epilogues (rank <= 64) without the slot pipeline. Where (knob k2_prefetch_epilogue): 1 all
+    # before the main loop, held in registers across it; 2 all right after it, before the split-K exchange and the
+    # wait for h (their round trips overlap those, nothing is held across the loop); 3 the scales and slots before,
+    # the B tile after
+    PREFETCH_ROWS: tl.constexpr = PREFETCH_EPI != 0 and not (SPLIT_K > 1 and DIST_RED)
+    PREFETCH_B: tl.constexpr = (PREFETCH_EPI != 0 and HAS_LORA and _rank_chunk(BLOCK_R) == BLOCK_R
                                 and (ALL_SLOT0 or (PREFETCH_ROWS and not PIPE_SLOTS)))
-    if PREFETCH_EPI:
-        if SCALE_W == 1:
-            sw = tl.load(sw_ptr + n_ld)
-        if PREFETCH_ROWS:
-            if HAS_XS:
-                if not QUANT_X:
-                    sx = tl.load(sx_ptr + rows64)
-            if HAS_LORA:
-                if not ALL_SLOT0:
-                    slots = tl.load(slot_ptr + rows64, mask=m_ok, other=-1)
-        if PREFETCH_B:
-            # the B tile of the slice holding the tile's first column: the elements the slice loop loads for that
-            # slice and the first slot (a tile straddling two slices loads the second one's in the loop, as before).
-            # The slot's offset goes into the row pointer and its "none" into the column mask, so that no [BN, BR]
-            # pointer or mask is shared with the epilogue's (held across the main loop, it cost registers)
-            tile_lo = pid_n * BLOCK_N
-            if N_SLICES == 1:
-                first_lo = 0
-                first_hi = end0
-                first_b = b0_ptr
-                first_bs = stride_bs0
-            else:
-                first_slice = (tile_lo >= end0).to(tl.int32) + (tile_lo >= end1).to(tl.int32)   # (ends past L: N)
-                first_lo = tl.where(first_slice == 0, 0, tl.where(first_slice == 1, end0, end1))
-                first_hi = tl.where(first_slice == 0, end0, tl.where(first_slice == 1, end1, N))
-                first_b = tl.where(first_slice == 0, b0_ptr, tl.where(first_slice == 1, b1_ptr, b2_ptr))
-                first_bs = tl.where(first_slice == 0, stride_bs0, tl.where(first_slice == 1, stride_bs1, stride_bs2))
-            offs_r = tl.arange(0, BLOCK_R)
-            if ALL_SLOT0:
-                first_row = first_b
-                first_cols = (offs_n >= first_lo) & (offs_n < first_hi)
-            else:
-                # the while loop's first slot (none: the tile's rows have no adapter, nothing to load)
-                first_slot = tl.min(tl.where(slots >= 0, slots, _BIG))
-                first_row = first_b + tl.where(first_slot < _BIG, first_slot, 0).to(tl.int64) * first_bs
-                first_cols = (offs_n >= first_lo) & (offs_n < first_hi) & (first_slot < _BIG)
-            first_col = tl.where(first_cols, offs_n - first_lo, 0).to(tl.int64)
-            bt_first = tl.load(first_row + first_col[:, None] * stride_bn + offs_r[None, :] * stride_br,
-                               mask=first_cols[:, None] & (offs_r < R)[None, :], other=0.0)
+    if PREFETCH_EPI == 1 or PREFETCH_EPI == 3:
+        sw, sx, slots = _epilogue_row_operands(sw_ptr, sx_ptr, slot_ptr, n_ld, rows64, m_ok, SCALE_W, HAS_XS,
+                                               QUANT_X, HAS_LORA, ALL_SLOT0, PREFETCH_ROWS)
+    if PREFETCH_B and PREFETCH_EPI == 1:
+        bt_first, first_slice, first_slot = _first_b_tile(b0_ptr, b1_ptr, b2_ptr, slots, offs_n, pid_n, N, R, end0,
+                                                          end1, stride_bs0, stride_bs1, stride_bs2, stride_bn,
+                                                          stride_br, BLOCK_N, BLOCK_R, N_SLICES, ALL_SLOT0)
 
     # ---- main loop over this split's K range (whole BLOCK_K chunks)
     k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
@@ -469,6 +501,13 @@ def _lora_gemm_kernel(
     if not SWAP_AB:
         acc = tl.trans(acc_mn)                                    # [BN, BM]: the epilogue's orientation
     stamp(pid == 0, K2_MAINLOOP_END, True)
+    if PREFETCH_EPI == 2:
+        sw, sx, slots = _epilogue_row_operands(sw_ptr, sx_ptr, slot_ptr, n_ld, rows64, m_ok, SCALE_W, HAS_XS,
+                                               QUANT_X, HAS_LORA, ALL_SLOT0, PREFETCH_ROWS)
+    if PREFETCH_B and PREFETCH_EPI >= 2:
+        bt_first, first_slice, first_slot = _first_b_tile(b0_ptr, b1_ptr, b2_ptr, slots, offs_n, pid_n, N, R, end0,
+                                                          end1, stride_bs0, stride_bs1, stride_bs2, stride_bn,
+                                                          stride_br, BLOCK_N, BLOCK_R, N_SLICES, ALL_SLOT0)
 
     # ---- split-K: the partials are added in split order, by the tile's last program (all its tokens) or,
     # DIST_RED, by every program for its BLOCK_M // SPLIT_K tokens
@@ -741,13 +780,14 @@ def _fit_to_device(cfg, mode, rank, device) -> GemmConfig:
 
 
 K1_IN_K2_MIN_STAGES = 3
-# registers per thread of K2's grids with K1's programs, at most, by mode and whether the epilogue's operands are
-# loaded before the main loop (PREFETCH_EPI holds the B tile across it); tests/kernel/test_compile_sm90.py holds the
-# compiled decode grids to these; what _one_wave counts against the SM's 64K
-K1_IN_K2_REGS = {("w8a8", False): 128, ("w8a8", True): 144, ("w8a16", False): 168, ("w8a16", True): 232}
+# registers per thread of K2's grids with K1's programs, at most, by mode and where the epilogue's operands are
+# loaded (PREFETCH_EPI: 0 in the epilogue, 1 before the main loop, 2 after it, 3 split); tests/kernel/
+# test_compile_sm90.py holds the compiled decode grids to these; what _one_wave counts against the SM's 64K
+K1_IN_K2_REGS = {("w8a8", 0): 128, ("w8a8", 1): 144, ("w8a8", 2): 144, ("w8a8", 3): 144,
+                 ("w8a16", 0): 168, ("w8a16", 1): 232, ("w8a16", 2): 176, ("w8a16", 3): 176}
 
 
-def _one_wave(cfg: GemmConfig, mode: str, rank: int, programs: int, prefetch: bool, device) -> GemmConfig:
+def _one_wave(cfg: GemmConfig, mode: str, rank: int, programs: int, prefetch: int, device) -> GemmConfig:
     """K1 in K2's grid (knob k1_in_k2_one_wave, W8A16 by default): cfg with fewer pipeline stages (not below
     K1_IN_K2_MIN_STAGES) where its `programs` (GEMM + K1) would not all be resident at once. K1's programs hold a
     GEMM program's shared memory each, and a GEMM program left out of the first wave starts only when one of them
@@ -839,8 +879,8 @@ def _pdl_wait_early(mode, use_pdl, q, K, x_from_primary=True):
 
 def _variant_flags(cfg, mode, x, meta, slices, has_lora, dist_red, x_tma) -> dict:
     """The host-chosen kernel variants: slot pipeline, unrolled split-K sum, widening, SYNC_A, FP8_ACC, masked x
-    rows, the epilogue's loads before the main loop (dispatch records "lora_gemm.prefetch_epilogue" at decode
-    sizes)."""
+    rows, the epilogue's loads ahead of it (dispatch records "lora_gemm.prefetch_epilogue" = off | before_loop |
+    after_loop | split at decode sizes)."""
     kn = knobs()
     interpreting = dispatch.triton_interpreting()
     # the slot-pipelined epilogue pays off with several adapters per tile; at 256-token tiles it would spill
@@ -854,9 +894,10 @@ def _variant_flags(cfg, mode, x, meta, slices, has_lora, dist_red, x_tma) -> dic
     # decode sizes: the epilogue's operands that K1 does not write are loaded before the main loop; the first B
     # tile is picked among the slices at run time, so they must share a dtype (they always do in the package)
     decode = x.shape[0] <= PREFETCH_EPI_TOKENS
-    prefetch_epi = decode and kn.k2_prefetch_epilogue and (not has_lora or len({b.dtype for b in slices}) == 1)
+    where = kn.k2_prefetch_epilogue if decode and (not has_lora or len({b.dtype for b in slices}) == 1) else "off"
+    prefetch_epi = PREFETCH_EPI_CODES[where]
     if decode:
-        dispatch.record(f"{OP}.prefetch_epilogue", "on" if prefetch_epi else "off")
+        dispatch.record(f"{OP}.prefetch_epilogue", where)
     widen_asm = 0
     if mode == "w8a16" and x.dtype == torch.bfloat16 and kn.w8a16_widen == "bits" and not interpreting:
         widen_asm = {"bits": 1, "prmt": 2, "cvt": 0}[cfg.widen]

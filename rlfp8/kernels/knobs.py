@@ -21,6 +21,7 @@ K1_DECODE_RANK_BLOCKS = (0, 16, 32, 64)
 K1_IN_K2 = ("off", "w8a8", "on")
 K1_IN_K2_ONE_WAVE = ("off", "w8a16", "on")
 K1_DECODE_SPLIT_MAX = (8, 16)
+K2_PREFETCH_EPILOGUE = ("off", "before_loop", "after_loop", "split")
 
 
 @dataclass(frozen=True)
@@ -40,13 +41,14 @@ class KernelKnobs:
     # re-reading a valid row; False = unpredicated loads of row 0 for them (A/B timing; same bits: an MMA output
     # column depends on its own token's x only)
     k2_mask_x_rows: bool = True
-    # K2 at decode sizes (<= 16 tokens): the epilogue's operands that K1 does not write (the weight and token scales,
-    # the rows' slots, the first slot's B tile at rank <= 64) are loaded before the main loop, so their DRAM round
-    # trips overlap it instead of following it; False = after the main loop (and the wait for h), as above 16 tokens.
-    # Off by default: the held B tile costs registers (W8A16's gate_up 4 instead of 6 programs per SM) and the H100
-    # measured no layer faster with it (bench/README.md session 20). Same bits; dispatch records
-    # "lora_gemm.prefetch_epilogue" = on | off
-    k2_prefetch_epilogue: bool = False
+    # K2 at decode sizes (<= 16 tokens): where the epilogue's operands that K1 does not write (the weight and token
+    # scales, the rows' slots, the first slot's B tile at rank <= 64) are loaded. "off" = in the epilogue, after the
+    # main loop and the wait for h, as above 16 tokens; "before_loop" = before the main loop, held in registers
+    # across it (the held B tile costs registers: W8A16's gate_up 4 instead of 6 programs per SM; the H100 measured
+    # no layer faster, bench/README.md session 20); "after_loop" = right after the main loop, before the split-K
+    # exchange and the wait for h, so their round trips overlap those; "split" = scales and slots before the main
+    # loop, the B tile after it. Same bits; dispatch records "lora_gemm.prefetch_epilogue" = the place
+    k2_prefetch_epilogue: str = "off"
     # W8A16 widening of e4m3 tiles: "bits" = each config's PTX widening (GemmConfig.widen), "cvt" = Triton's
     # .to(bf16) everywhere (same bits)
     w8a16_widen: str = "bits"
@@ -156,8 +158,9 @@ ENV_VARS_BY_KNOB = {knob: var for var, knob in ENV_VARS.items()}
 _NAMES = tuple(f.name for f in dataclasses.fields(KernelKnobs))
 _CHOICES = {"backend": BACKENDS, "w8a16_widen": W8A16_WIDENINGS, "pdl": PDL_MODES, "pdl_w8a8_quant": PDL_W8A8_QUANT,
             "batch_invariant": BATCH_INVARIANT, "k1_decode_rank_block": K1_DECODE_RANK_BLOCKS,
-            "k1_in_k2": K1_IN_K2, "k1_in_k2_one_wave": K1_IN_K2_ONE_WAVE, "k1_decode_split_max": K1_DECODE_SPLIT_MAX}
-_FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "k2_mask_x_rows", "k2_prefetch_epilogue", "host_fast",
+            "k1_in_k2": K1_IN_K2, "k1_in_k2_one_wave": K1_IN_K2_ONE_WAVE, "k1_decode_split_max": K1_DECODE_SPLIT_MAX,
+            "k2_prefetch_epilogue": K2_PREFETCH_EPILOGUE}
+_FLAGS = ("gemm_rs", "k2_sync_a", "k2_dist_red", "k2_mask_x_rows", "host_fast",
           "tuned_nearest", "pdl_quant_k2", "k1_mask_x_rows", "engine_graph_quant")
 _COUNTS = ("k2_quant_x_tokens", "k1_in_k2_tokens", "k1_in_k2_w8a16_tokens")
 _INTS = _COUNTS + ("k1_decode_rank_block", "k1_decode_split_max")       # read from the environment as ints

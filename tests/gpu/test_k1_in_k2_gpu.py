@@ -2,9 +2,9 @@
 give the same bits as K1 in its own launch (K2 its programmatic dependent), every Qwen3-8B projection shape, both
 modes, M in {1, 4, 16, 64}, one rank-64 adapter with tokens without adapter beside it and four adapters at once;
 repeated eagerly and replayed 100 times from a CUDA graph, every result bit-identical (the counter protocol
-leaves no race and resets itself). Also knob k2_prefetch_epilogue: K2's epilogue loads before its main loop at
-<= 16 tokens give the bits of the loads after it, K1 in K2's grid or in its own launch, and beside a distributed
-split-K sum.
+leaves no race and resets itself). Also knob k2_prefetch_epilogue: K2's epilogue loads ahead of the epilogue at
+<= 16 tokens (before its main loop, after it, split) give the bits of the loads in it, K1 in K2's grid or in its
+own launch, and beside a distributed split-K sum.
     python -m pytest tests/gpu/test_k1_in_k2_gpu.py -m gpu -v -s
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ SHAPES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4
           "down": (12288, (4096,))}
 MS = (1, 4, 16, 64)
 PREFETCH_MS = (1, 4, 16)                    # knob k2_prefetch_epilogue: K2 at <= 16 tokens
+PREFETCH_PLACES = ("before_loop", "after_loop", "split")
 DIST_RED_SPLIT = GemmConfig(64, 32, 128, 2, 8, 4, 3)    # 16 tokens per program: the distributed split-K sum
 MODES = ("w8a16", "w8a8")
 DEV = "cuda"
@@ -47,7 +48,7 @@ def _problem(shape, M, adapters=1, r=64, seed=0):
     return x, q, sw, A, B, build_lora_meta(slots, adapters)
 
 
-def _run(in_k2, mode, *problem, prefetch=True):
+def _run(in_k2, mode, *problem, prefetch="before_loop"):
     return projection_with(dict(pdl="on", k1_in_k2="on" if in_k2 else "off", k1_in_k2_w8a16_tokens=64, k2_prefetch_epilogue=prefetch), mode,
                            *problem)
 
@@ -75,10 +76,11 @@ def _precompile():
                         for in_k2 in (True, False):
                             _run(in_k2, mode, *p)
                             if M in PREFETCH_MS:
-                                _run(in_k2, mode, *p, prefetch=False)
+                                for where in ("off",) + PREFETCH_PLACES[1:]:
+                                    _run(in_k2, mode, *p, prefetch=where)
         x, q, sw, A, B, meta = _problem("qkv", 16)
         for mode in MODES:
-            for prefetch in (True, False):
+            for prefetch in ("off",) + PREFETCH_PLACES:
                 for m in (meta, None):
                     _k2_split(prefetch, mode, x, q, sw, A, B, m)
     info = tu.precompile(rec, jobs=min(16, os.cpu_count() or 4))
@@ -150,35 +152,40 @@ def test_one_wave_stages_keep_the_bits(shape, M, mode):
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_prefetched_epilogue_gives_the_same_bits(shape, M, mode, adapters):
     """Knob k2_prefetch_epilogue: the engine projection (PDL; K1 in K2's grid and in its own launch) with K2's
-    epilogue scales, slots and first B tile loaded before its main loop equals the loads after it, bit for bit
-    (one adapter: the per-slot epilogue takes the prefetched tile; four: the slot pipeline, scales and slots)."""
+    epilogue scales, slots and first B tile loaded before its main loop, after it, or split, equals the loads in
+    the epilogue, bit for bit (one adapter: the per-slot epilogue takes the prefetched tile; four: the slot
+    pipeline, scales and slots)."""
     p = _problem(shape, M, adapters)
     for in_k2 in (True, False):
-        outs = []
-        for prefetch in (True, False):
+        outs = {}
+        for where in ("off",) + PREFETCH_PLACES:
             dispatch.reset_report()
-            outs.append(_run(in_k2, mode, *p, prefetch=prefetch))
-            assert dispatch.report()["lora_gemm.prefetch_epilogue"] == {"on" if prefetch else "off": 1}
+            outs[where] = _run(in_k2, mode, *p, prefetch=where)
+            assert dispatch.report()["lora_gemm.prefetch_epilogue"] == {where: 1}
         torch.cuda.synchronize()
-        assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1]), in_k2
-        for _ in range(5):
-            assert torch.equal(_run(in_k2, mode, *p), outs[1]), in_k2
+        assert outs["off"].abs().sum() > 0, in_k2
+        for where in PREFETCH_PLACES:
+            assert torch.equal(outs[where], outs["off"]), (where, in_k2)
+            for _ in range(5):
+                assert torch.equal(_run(in_k2, mode, *p, prefetch=where), outs["off"]), (where, in_k2)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_prefetched_epilogue_beside_a_distributed_split_k_sum(mode):
     """16 tokens in a 32-token tile split 2 ways: the distributed sum recomputes each program's rows after it, so
-    s_x and the slots load there as before; s_w (and without metadata the B tile) before the main loop. The same
-    bits as the knob off, with metadata and without."""
+    s_x and the slots load there as before; s_w (and without metadata the B tile) ahead of the epilogue, at every
+    place. The same bits as the knob off, with metadata and without."""
     require_sm90("the distributed split-K sum runs on the GPU")
     x, q, sw, A, B, meta = _problem("qkv", 16)
     for m in (meta, None):
-        outs = []
-        for prefetch in (True, False):
+        outs = {}
+        for where in ("off",) + PREFETCH_PLACES:
             dispatch.reset_report()
-            outs.append(_k2_split(prefetch, mode, x, q, sw, A, B, m))
+            outs[where] = _k2_split(where, mode, x, q, sw, A, B, m)
             rep = dispatch.report()
             assert rep["lora_gemm.split_k"] == {"distributed": 1}
-            assert rep["lora_gemm.prefetch_epilogue"] == {"on" if prefetch else "off": 1}
+            assert rep["lora_gemm.prefetch_epilogue"] == {where: 1}
         torch.cuda.synchronize()
-        assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1]), m is None
+        assert outs["off"].abs().sum() > 0, m is None
+        for where in PREFETCH_PLACES:
+            assert torch.equal(outs[where], outs["off"]), (where, m is None)

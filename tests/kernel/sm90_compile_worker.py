@@ -205,31 +205,38 @@ def _k1_in_k2_launches(r: int = 64) -> None:
 
 
 def _prefetch_epilogue_launches(r: int = 64) -> None:
-    """Knob k2_prefetch_epilogue: K2 at decode sizes with its epilogue's scales, slots and first B tile loaded before
-    the main loop, every projection at 1 and 16 tokens with the H200's decode configs (the tuned table's; W8A16 also
-    the batch-invariant one, its engine default), one adapter through metadata (the per-slot epilogue), W8A8 (the
-    quantizer's codes) and W8A16, K1's programs in the grid and K2 as K1's programmatic dependent."""
-    saved = set_knobs(k2_prefetch_epilogue=True)
-    try:
-        for name, (K, widths) in SHAPES.items():
-            N = sum(widths)
-            q, sw = _e(N, K, dtype=FP8), torch.empty(N)
-            for M in (1, 16):
-                x, meta = _e(M, K), build_lora_meta(torch.zeros(M, dtype=torch.long), 2)
-                A, B = [_e(2, r, K)] * len(widths), [_e(2, w, r) for w in widths]
-                for mode in ("w8a16", "w8a8"):
-                    xx, xs = (x, None) if mode == "w8a16" else (_e(M, K, dtype=FP8), torch.empty(M, 1))
-                    configs = [gemm_config(mode, M, N, K, "cuda")]
-                    if mode == "w8a16":
-                        configs.append(invariant_gemm_config(mode, M, N, K, "cuda"))
-                    for cfg in configs:
-                        progs = shrink_programs(x, A, meta, out=torch.empty(len(widths), M, r), mode=mode)
-                        lora_gemm_triton(xx, q, sw, x_scale=xs, h=progs.out.h, B=B, meta=meta, shrink=progs,
-                                         use_pdl=mode == "w8a8", config=cfg)
-                        lora_gemm_triton(xx, q, sw, x_scale=xs, h=progs.out.h, B=B, meta=meta, use_pdl=True,
-                                         x_from_primary=False, config=cfg)
-    finally:
-        restore_knobs(saved)
+    """Knob k2_prefetch_epilogue: K2 at decode sizes with its epilogue's scales, slots and first B tile loaded ahead
+    of the epilogue (each place: before the main loop, after it, split), every projection at 1 and 16 tokens with
+    the H200's decode configs (the tuned table's; W8A16 also the batch-invariant one, its engine default), one
+    adapter through metadata (the per-slot epilogue), W8A8 (the quantizer's codes) and W8A16, K1's programs in the
+    grid and K2 as K1's programmatic dependent."""
+    for where in ("before_loop", "after_loop", "split"):
+        saved = set_knobs(k2_prefetch_epilogue=where)
+        try:
+            _prefetch_epilogue_place(r)
+        finally:
+            restore_knobs(saved)
+
+
+def _prefetch_epilogue_place(r: int) -> None:
+    """_prefetch_epilogue_launches at the knob's current place."""
+    for name, (K, widths) in SHAPES.items():
+        N = sum(widths)
+        q, sw = _e(N, K, dtype=FP8), torch.empty(N)
+        for M in (1, 16):
+            x, meta = _e(M, K), build_lora_meta(torch.zeros(M, dtype=torch.long), 2)
+            A, B = [_e(2, r, K)] * len(widths), [_e(2, w, r) for w in widths]
+            for mode in ("w8a16", "w8a8"):
+                xx, xs = (x, None) if mode == "w8a16" else (_e(M, K, dtype=FP8), torch.empty(M, 1))
+                configs = [gemm_config(mode, M, N, K, "cuda")]
+                if mode == "w8a16":
+                    configs.append(invariant_gemm_config(mode, M, N, K, "cuda"))
+                for cfg in configs:
+                    progs = shrink_programs(x, A, meta, out=torch.empty(len(widths), M, r), mode=mode)
+                    lora_gemm_triton(xx, q, sw, x_scale=xs, h=progs.out.h, B=B, meta=meta, shrink=progs,
+                                     use_pdl=mode == "w8a8", config=cfg)
+                    lora_gemm_triton(xx, q, sw, x_scale=xs, h=progs.out.h, B=B, meta=meta, use_pdl=True,
+                                     x_from_primary=False, config=cfg)
 
 
 def _tuned_table_launches(S: int = 4, r: int = 64) -> None:

@@ -267,7 +267,7 @@ def test_k1_in_k2_grids_compile_without_spills(compiled):
     # gemm_triton._one_wave counts programs per SM with K1_IN_K2_REGS registers per thread: never fewer than used
     over = [(r["regs"], r["constexprs"]["WIDEN_W"]) for r in fused
             if r["regs"] > K1_IN_K2_REGS["w8a16" if r["constexprs"]["WIDEN_W"] else "w8a8",
-                                         bool(r["constexprs"]["PREFETCH_EPI"])]]
+                                         r["constexprs"]["PREFETCH_EPI"]]]
     assert not over, over
     assert {r["constexprs"]["K1_SPLIT_K"] for r in fused} >= {8, 16}        # W8A8's decode split (down: 16)
     assert all(r["constexprs"]["K1_RED_UNROLL"] for r in fused)
@@ -280,15 +280,16 @@ def test_k1_in_k2_grids_compile_without_spills(compiled):
 
 def test_prefetched_epilogues_compile_without_spills(compiled):
     """Knob k2_prefetch_epilogue: K2 at decode sizes with its epilogue's scales, slots and first B tile loaded before
-    the main loop (the tile held in registers across it) has no spill stack with the H200's decode configs of every
-    projection (tuned, and W8A16's batch-invariant ones), W8A8 and W8A16, K1's programs in its grid or not, the
-    padding rows masked (1 token) or not (16)."""
+    the main loop (the tile held in registers across it), after it, or split, has no spill stack with the H200's
+    decode configs of every projection (tuned, and W8A16's batch-invariant ones), W8A8 and W8A16, K1's programs in
+    its grid or not, the padding rows masked (1 token) or not (16)."""
     k2 = [r for r in compiled if r["name"] == "_lora_gemm_kernel" and "stack" in r]
     if not k2:
         pytest.skip("cuobjdump not available")
     pre = [r for r in k2 if r["constexprs"]["PREFETCH_EPI"]]
     spilled = [(r["constexprs"], r["regs"], r["stack"]) for r in pre if r["stack"] != 0]
-    assert len(pre) >= 48 and not spilled, spilled
+    assert len(pre) >= 3 * 48 and not spilled, spilled
+    assert {r["constexprs"]["PREFETCH_EPI"] for r in pre} == {1, 2, 3}
     one_adapter = [r["constexprs"] for r in pre if r["constexprs"]["HAS_LORA"] and not r["constexprs"]["ALL_SLOT0"]
                    and not r["constexprs"]["PIPE_SLOTS"] and r["constexprs"]["BLOCK_R"] == 64]
     assert {c["N_SLICES"] for c in one_adapter} == {1, 2, 3}

@@ -115,7 +115,7 @@ def test_one_wave_takes_stages_off_where_k1_programs_overflow_the_first_wave():
     16 hold 121 KiB each, one per SM: 144 on 132 slots; with 5 stages two fit per SM. gate_up's 384 + 16 at 61 KiB,
     three per SM: 400 on 396; with 5 stages four fit. A grid that already fits keeps its config; one that no stage
     count brings to one wave keeps it too."""
-    smem, sms, regs = 232448, 132, K1_IN_K2_REGS["w8a8", False]
+    smem, sms, regs = 232448, 132, K1_IN_K2_REGS["w8a8", 0]
     for cfg, programs in ((DOWN_DECODE, 128 + 16), (GATE_UP_DECODE, 384 + 16)):
         fitted, verdict = _one_wave_config(cfg, "w8a8", 64, programs, smem, sms, regs)
         assert (fitted.num_stages, verdict) == (5, "fewer_stages")
@@ -124,7 +124,7 @@ def test_one_wave_takes_stages_off_where_k1_programs_overflow_the_first_wave():
     assert _one_wave_config(DOWN_DECODE, "w8a8", 64, 4 * 132 + 1, smem, sms, regs) == (DOWN_DECODE, "two")
     # with the epilogue's B tile held across the main loop (k2_prefetch_epilogue) registers allow 3 per SM: gate_up
     # stays in two waves, down (2 per SM) still fits one
-    regs = K1_IN_K2_REGS["w8a8", True]
+    regs = K1_IN_K2_REGS["w8a8", 1]
     assert _one_wave_config(GATE_UP_DECODE, "w8a8", 64, 400, smem, sms, regs) == (GATE_UP_DECODE, "two")
     assert _one_wave_config(DOWN_DECODE, "w8a8", 64, 144, smem, sms, regs)[1] == "fewer_stages"
     assert tu.programs_per_sm(122928, 4, smem, 128) == 1 and tu.programs_per_sm(102448, 4, smem, 128) == 2

@@ -399,13 +399,16 @@ def _prefetch_problem(M, widths, slots, mode, device, r=16, K=64, S=3):
     return dict(x=x, q=q, sw=sw, A=A, B=B, slots=slot_t, meta=build_lora_meta(slot_t, S))
 
 
-def _k2_prefetch(on, p, mode, cfg, k1_in_k2=False, g=None):
-    """K2 (fp32 out) with the knob set; h from K1's programs in its grid (k1_in_k2) or from the torch shrink.
-    Returns (y, the h it read, x codes, x scales, the dispatch record)."""
+PREFETCH_PLACES = ("before_loop", "after_loop", "split")
+
+
+def _k2_prefetch(where, p, mode, cfg, k1_in_k2=False, g=None):
+    """K2 (fp32 out) with the knob set to `where`; h from K1's programs in its grid (k1_in_k2) or from the torch
+    shrink. Returns (y, the h it read, x codes, x scales, the dispatch record)."""
     from rlfp8.kernels import knobs
     from rlfp8.kernels.shrink_triton import shrink_programs
     xq, xs = fp8.quantize_activation_ref(p["x"]) if mode == "w8a8" else (p["x"], None)
-    saved = knobs.set_knobs(k2_prefetch_epilogue=on)
+    saved = knobs.set_knobs(k2_prefetch_epilogue=where)
     try:
         dispatch.reset_report()
         if k1_in_k2:
@@ -426,20 +429,23 @@ def _k2_prefetch(on, p, mode, cfg, k1_in_k2=False, g=None):
 @pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
 def test_prefetched_epilogue_gives_the_same_bits(mode, M, slices, slots, device, monkeypatch):
     """Knob k2_prefetch_epilogue (<= 16 tokens): s_w, s_x, the slots and the first slot's B tile loaded before the
-    main loop give the bits of the loads after it (the dispatch records which ran), with K1's programs in K2's grid
-    and without, split-K 1 and 2, both main-loop orientations; and the fp64 math. With metadata, the per-slot
-    epilogue (the one that takes the prefetched tile; three segments would pick the slot pipeline)."""
+    main loop, after it, or split between the two give the bits of the loads in the epilogue (the dispatch records
+    which ran), with K1's programs in K2's grid and without, split-K 1 and 2, both main-loop orientations; and the
+    fp64 math. With metadata, the per-slot epilogue (the one that takes the prefetched tile; three segments would
+    pick the slot pipeline)."""
     from rlfp8.kernels import gemm_triton
     monkeypatch.setattr(gemm_triton, "_PIPE_SLOTS_OVERRIDE", False)
     p = _prefetch_problem(M, PREFETCH_SLICES[slices], PREFETCH_SLOTS[slots], mode, device)
     for split, k1_in_k2 in ((1, False), (2, True), (2, False), (1, True)):
         cfg = GemmConfig(32, 16, 32, split, 1, 4, 2, swap_ab=split == 1)
-        y_on, h, xq, xs, path_on = _k2_prefetch(True, p, mode, cfg, k1_in_k2)
-        y_off, h_off, _, _, path_off = _k2_prefetch(False, p, mode, cfg, k1_in_k2)
-        assert (path_on, path_off) == ({"on": 1}, {"off": 1})
-        assert torch.equal(h, h_off) and torch.equal(y_on, y_off), (split, k1_in_k2)
-        ref = gemm_fp64(xq, p["q"], p["sw"], x_scale=xs, h=h, B=p["B"], slots=p["slots"])
-        assert rel_err(y_on, ref) < 1e-5
+        y_off, h_off, xq, xs, path_off = _k2_prefetch("off", p, mode, cfg, k1_in_k2)
+        assert path_off == {"off": 1}
+        for where in PREFETCH_PLACES:
+            y_on, h, _, _, path_on = _k2_prefetch(where, p, mode, cfg, k1_in_k2)
+            assert path_on == {where: 1}
+            assert torch.equal(h, h_off) and torch.equal(y_on, y_off), (where, split, k1_in_k2)
+        ref = gemm_fp64(xq, p["q"], p["sw"], x_scale=xs, h=h_off, B=p["B"], slots=p["slots"])
+        assert rel_err(y_off, ref) < 1e-5
 
 
 @pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
@@ -450,24 +456,30 @@ def test_prefetched_epilogue_beside_the_unchanged_epilogues(mode, device):
         p = _prefetch_problem(16, PREFETCH_SLICES["straddle"], slots, mode, device, r=r)
         gv = torch.rand(3, 84, device=device) + 0.5 if g else None
         cfg = GemmConfig(32, 16, 32, 1, 1, 4, 2)
-        y_on, h, xq, xs, _ = _k2_prefetch(True, p, mode, cfg, g=gv)
-        y_off, _, _, _, _ = _k2_prefetch(False, p, mode, cfg, g=gv)
-        assert torch.equal(y_on, y_off), (r, slots, g)
+        y_off, h, xq, xs, _ = _k2_prefetch("off", p, mode, cfg, g=gv)
+        for where in PREFETCH_PLACES:
+            y_on, _, _, _, _ = _k2_prefetch(where, p, mode, cfg, g=gv)
+            assert torch.equal(y_on, y_off), (where, r, slots, g)
         ref = lora_gemm_ref(xq, p["q"], p["sw"], x_scale=xs, h=h, B=p["B"], meta=p["meta"], g=gv,
                             out_dtype=torch.float32)
-        assert rel_err(y_on, ref) < 1e-5
+        assert rel_err(y_off, ref) < 1e-5
 
 
 def test_prefetch_epilogue_only_at_decode_sizes_and_by_the_knob(device):
-    """PREFETCH_EPI at <= 16 tokens with the knob on (dispatch "lora_gemm.prefetch_epilogue" = on); off with the knob
-    off (= off) or B slices of two dtypes (the first tile is picked among the slices at run time; = off); above 16
-    tokens never, and nothing recorded."""
+    """PREFETCH_EPI at <= 16 tokens where the knob places it (1 before the main loop, 2 after, 3 split; dispatch
+    "lora_gemm.prefetch_epilogue" = the place); 0 with the knob off (= off) or B slices of two dtypes (the first tile
+    is picked among the slices at run time; = off); above 16 tokens never, and nothing recorded. A place the knob
+    does not know is refused, naming the knob and its values."""
     from rlfp8.kernels import _triton_utils as tu
     from rlfp8.kernels import knobs
-    assert knobs.knobs().k2_prefetch_epilogue is False           # the default (bench/README.md session 20)
-    assert knobs._env_overrides({"RLFP8_K2_PREFETCH_EPILOGUE": "1"}) == {"k2_prefetch_epilogue": True}
+    assert knobs.knobs().k2_prefetch_epilogue == "off"           # the default (bench/README.md session 20)
+    assert knobs._env_overrides({"RLFP8_K2_PREFETCH_EPILOGUE": "split"}) == {"k2_prefetch_epilogue": "split"}
+    with pytest.raises(ValueError, match=r"RLFP8_K2_PREFETCH_EPILOGUE='1': allowed values are \('off', 'before_loop'"):
+        knobs._env_overrides({"RLFP8_K2_PREFETCH_EPILOGUE": "1"})
+    with pytest.raises(ValueError, match=r"kernels.k2_prefetch_epilogue=True: allowed values"):
+        knobs.check_section({"k2_prefetch_epilogue": True})
 
-    def launched(M, on=True, b_dtypes=(torch.bfloat16, torch.bfloat16)):
+    def launched(M, on="before_loop", b_dtypes=(torch.bfloat16, torch.bfloat16)):
         p = _prefetch_problem(M, [32, 32], [0], "w8a16", device)
         B = [b.to(dt) for b, dt in zip(p["B"], b_dtypes)]
         saved = knobs.set_knobs(k2_prefetch_epilogue=on)
@@ -480,7 +492,9 @@ def test_prefetch_epilogue_only_at_decode_sizes_and_by_the_knob(device):
         finally:
             knobs.restore_knobs(saved)
 
-    assert launched(16) == (True, {"on": 1})
-    assert launched(16, on=False) == (False, {"off": 1})
-    assert launched(3, b_dtypes=(torch.bfloat16, torch.float32)) == (False, {"off": 1})
-    assert launched(17) == (False, None)
+    assert launched(16) == (1, {"before_loop": 1})
+    assert launched(16, on="after_loop") == (2, {"after_loop": 1})
+    assert launched(1, on="split") == (3, {"split": 1})
+    assert launched(16, on="off") == (0, {"off": 1})
+    assert launched(3, b_dtypes=(torch.bfloat16, torch.float32)) == (0, {"off": 1})
+    assert launched(17) == (0, None)

@@ -1,0 +1,247 @@
+#!/usr/bin/env python
+"""Exploration: where K2's adapter cost goes at decode sizes (issue 15: the layer with one rank-64 adapter
+<= 1.06x our no-adapter layer; the H100 measured ~1.10, ~2.5-3 us per projection, session 21).
+
+K2 alone, one launch per CUDA graph (no quantizer: W8A8 takes x's codes, as the engine's compiled graph gives
+them), one rank-64 adapter on every token with vLLM-style metadata, the tuned config of each Qwen3-8B
+projection, both engine modes, the arms replayed in turn (L2 flushed before each replay, median of --reps):
+
+    base         no adapter
+    lora         the adapter's epilogue, h computed beforehand (what the epilogue costs, K1 aside)
+    lora_bf16    ... with lora_precision="bf16" (one 16-bit MMA instead of two: what the second MMA costs)
+    lora_<place> ... knob k2_prefetch_epilogue = before_loop (the epilogue's operands K1 does not write loaded
+                 before the main loop, held across it), after_loop (right after it, before the split-K exchange and
+                 the wait for h), split (scales and slots before, the B tile after)
+    grid         K1's programs first in K2's grid, the epilogue waiting on their counter (the default decode path)
+    grid_<place> ... with k2_prefetch_epilogue = place
+    grid_nowait  a copy of the kernel without the wait on K1's counter (racy: h may be stale; timing only): what
+                 the wait costs
+
+First the layer as issue 15 reads it: the four projections through fp8_lora_linear with the default decode path
+(quantizer, K1 in K2's grid, PDL), for each place of k2_prefetch_epilogue ("layer" rows: base, off, before_loop,
+after_loop, split). Then per (mode, projection) every arm's µs, and the derived costs: epilogue = lora - base,
+K1 in the grid = grid - lora; per mode the four projections summed ("layer", K2 only). Outputs are checked
+against the package's lora arm (same bits where the arm keeps the arithmetic).
+
+    python bench/lab/explore_decode_epilogue.py --check-edits          # CPU: the copy's edit applies
+    python bench/lab/explore_decode_epilogue.py --out bench/results/explore_decode_epilogue_h200.json   # ~2 min
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+
+SRC = ROOT / "rlfp8" / "kernels" / "gemm_triton.py"
+SHAPES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (12288, 12288)),
+          "down": (12288, (4096,))}
+RANK = 64
+MODES = ("w8a8", "w8a16")
+VARIANTS = ("nowait",)
+PLACES = ("before_loop", "after_loop", "split")
+SAME_BITS = {f"{k}_{p}": "lora" for k in ("lora", "grid") for p in PLACES} | {"grid": "lora"}
+
+K1_SPIN = ('        k1_done = tl.atomic_add(k1_sync_ptr, 0, sem="acquire", scope="gpu")\n'
+           '        while k1_done < k1_programs:\n'
+           '            k1_done = tl.atomic_add(k1_sync_ptr, 0, sem="acquire", scope="gpu")\n')
+T0 = time.time()
+
+
+def log(msg):
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def variant_source(arm: str) -> str:
+    from bench.lab.k2_ab import standalone_source
+    s = standalone_source(SRC.read_text())
+    if arm == "nowait":
+        if s.count(K1_SPIN) != 1:
+            raise SystemExit(f"explore_decode_epilogue: the kernel changed, this edit no longer applies:\n{K1_SPIN}")
+        s = s.replace(K1_SPIN, "")
+    else:
+        raise ValueError(arm)
+    return s
+
+
+def load_variant(arm: str):
+    from bench.lab.k2_ab import import_source
+    return import_source(variant_source(arm), f"k2_epi_{arm}")
+
+
+def problems(M: int):
+    from rlfp8.kernels import fp8
+    from rlfp8.kernels.metadata import build_lora_meta
+    from rlfp8.kernels.shrink import lora_shrink
+    g = torch.Generator(device="cuda").manual_seed(0)
+    meta = build_lora_meta(torch.zeros(M, dtype=torch.long, device="cuda"), 1)
+    out = {}
+    for name, (K, widths) in SHAPES.items():
+        q, sw = fp8.quantize_weight_ref(torch.randn(sum(widths), K, device="cuda", generator=g) * 0.02)
+        A = [(torch.randn(1, RANK, K, device="cuda", generator=g) * 0.02).to(torch.bfloat16) for _ in widths]
+        B = [(torch.randn(1, n, RANK, device="cuda", generator=g) * 0.05).to(torch.bfloat16) for n in widths]
+        x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
+        xq, xs = fp8.quantize_activation(x, "div")
+        h = {mode: lora_shrink(x, A, meta, mode=mode).h.clone() for mode in MODES}
+        out[name] = dict(x=x, xq=xq, xs=xs, q=q, sw=sw, A=A, B=B, h=h, meta=meta)
+    return out
+
+
+def arm_fn(p, mode, arm, mods):
+    """fn() launching K2 (and K1's programs in its grid for the grid arms) once."""
+    from rlfp8.kernels import gemm_triton
+    from rlfp8.kernels.knobs import restore_knobs, set_knobs
+    from rlfp8.kernels.shrink_triton import shrink_programs
+    name, _, var = arm.partition("_")
+    mod = mods[var] if var in VARIANTS else gemm_triton
+    place = var if var in PLACES else "off"
+    x_in, xs = (p["xq"], p["xs"]) if mode == "w8a8" else (p["x"], None)
+    h_grid = torch.empty_like(p["h"][mode])
+
+    def fn():
+        saved = set_knobs(k2_prefetch_epilogue=place)
+        try:
+            if name == "base":
+                return mod.lora_gemm_triton(x_in, p["q"], p["sw"], x_scale=xs)
+            if name == "lora":
+                return mod.lora_gemm_triton(x_in, p["q"], p["sw"], x_scale=xs, h=p["h"][mode], B=p["B"],
+                                            meta=p["meta"], lora_precision="bf16" if var == "bf16" else "bf16x2")
+            sp = shrink_programs(p["x"], p["A"], p["meta"], out=h_grid, mode=mode)
+            return mod.lora_gemm_triton(x_in, p["q"], p["sw"], x_scale=xs, h=h_grid, B=p["B"], meta=p["meta"],
+                                        shrink=sp)
+        finally:
+            restore_knobs(saved)
+    return fn
+
+
+ARMS = (("base", "lora", "lora_bf16") + tuple(f"lora_{p}" for p in PLACES) + ("grid",)
+        + tuple(f"grid_{p}" for p in PLACES) + ("grid_nowait",))
+
+
+def _precompile(calls, jobs: int, what: str) -> None:
+    """Compile every kernel the calls launch, in parallel workers (their launches captured, not run)."""
+    from rlfp8.kernels import _triton_utils as tu
+    with tu.collect_launches() as rec:
+        for call in calls:
+            call()
+    info = tu.precompile(rec, jobs=jobs)
+    log(f"{what}: precompiled {info['kernels']} kernels in {info['seconds']} s, errors: {info['errors'][:2]}")
+
+
+def run(reps: int, M: int, jobs: int, mods: dict) -> dict:
+    """K2 alone per (mode, projection), every arm of ARMS; the four projections summed per mode."""
+    from kernel_bench import Timer
+    probs = problems(M)
+    _precompile([arm_fn(p, mode, arm, mods) for mode in MODES for p in probs.values() for arm in ARMS], jobs,
+                f"K2 alone, M={M}")
+    timer = Timer(reps)
+    rows = []
+    for mode in MODES:
+        for proj, p in probs.items():
+            fns = [arm_fn(p, mode, a, mods) for a in ARMS]
+            outs = {a: f().clone() for a, f in zip(ARMS, fns)}
+            us = dict(zip(ARMS, timer.paired_us(fns)))
+            same = {a: bool(torch.equal(outs[a], outs[ref])) for a, ref in SAME_BITS.items()}
+            row = dict(mode=mode, proj=proj, M=M, us={a: round(v, 2) for a, v in us.items()}, same_bits=same,
+                       epilogue_us=round(us["lora"] - us["base"], 2), k1_in_grid_us=round(us["grid"] - us["lora"], 2),
+                       grid_over_base=round(us["grid"] / us["base"], 4))
+            rows.append(row)
+            log(f"{mode} {proj:8s} " + " ".join(f"{a} {v:.2f}" for a, v in us.items())
+                + f" | not same bits: {[a for a, s in same.items() if not s]}")
+    layer = []
+    for mode in MODES:
+        tot = {a: round(sum(r["us"][a] for r in rows if r["mode"] == mode), 2) for a in ARMS}
+        layer.append(dict(mode=mode, M=M, us=tot, over_base={a: round(v / tot["base"], 4) for a, v in tot.items()}))
+        log(f"{mode} layer (K2 only): " + " ".join(f"{a} {v / tot['base']:.3f}" for a, v in tot.items()))
+    return dict(rows=rows, layer=layer)
+
+
+LAYER_ARMS = ("base", "off") + PLACES
+
+
+def layer_fn(probs, mode, arm):
+    """fn() running the four projections of one layer through rlfp8.kernels.fp8_lora_linear with the default
+    knobs (the engine's decode path: quantizer, K1 in K2's grid, PDL) and k2_prefetch_epilogue = arm ("base": no
+    adapter)."""
+    from rlfp8.kernels.knobs import restore_knobs, set_knobs
+    from rlfp8.kernels.projection import fp8_lora_linear
+
+    def fn():
+        saved = set_knobs(k2_prefetch_epilogue=arm if arm in PLACES else "off")
+        try:
+            for p in probs.values():
+                if arm == "base":
+                    fp8_lora_linear(p["x"], p["q"], p["sw"], mode=mode)
+                else:
+                    fp8_lora_linear(p["x"], p["q"], p["sw"], p["A"], p["B"], p["meta"], mode=mode)
+        finally:
+            restore_knobs(saved)
+    return fn
+
+
+def layer_run(reps: int, M: int, jobs: int) -> list[dict]:
+    """The layer as issue 15 reads it (bench/pdl_timeline.py's layer rows), per arm of K2's copies."""
+    from kernel_bench import Timer
+    probs = problems(M)
+    _precompile([layer_fn(probs, mode, arm) for mode in MODES for arm in LAYER_ARMS], jobs, f"layer, M={M}")
+    timer = Timer(reps)
+    rows = []
+    for mode in MODES:
+        us = dict(zip(LAYER_ARMS, timer.paired_us([layer_fn(probs, mode, a) for a in LAYER_ARMS])))
+        rows.append(dict(mode=mode, M=M, us={a: round(v, 2) for a, v in us.items()},
+                         over_base={a: round(v / us["base"], 4) for a, v in us.items()}))
+        log(f"{mode} layer M={M}: " + " ".join(f"{a} {v:.2f} ({v / us['base']:.3f})" for a, v in us.items()))
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out")
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 4))
+    ap.add_argument("--layer-only", action="store_true", help="only the layer rows (the engine's decode path)")
+    ap.add_argument("--check-edits", action="store_true", help="build every copy's source (CPU) and stop")
+    a = ap.parse_args()
+    if a.check_edits:
+        for v in VARIANTS:
+            src = variant_source(v)
+            compile(src, f"k2_epi_{v}.py", "exec")
+            print(f"{v}: edit applies ({len(src)} chars)")
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("explore_decode_epilogue: needs a GPU (or --check-edits)")
+    mods = {v: load_variant(v) for v in VARIANTS}
+    res = dict(meta=_meta(a), layer=[r for M in a.tokens for r in layer_run(a.reps, M, a.jobs)])
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    if not a.layer_only:
+        res["runs"] = [run(a.reps, M, a.jobs, mods) for M in a.tokens]
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=1))
+        log(f"wrote {a.out}")
+
+
+def _meta(a):
+    import triton
+    import subprocess
+    git = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), gpu=torch.cuda.get_device_name(),
+                git=git.stdout.strip() or None,
+                torch=torch.__version__, triton=triton.__version__, tuned_gpu=os.environ.get("RLFP8_TUNED_GPU"),
+                command=" ".join(sys.argv), reps=a.reps, tokens=a.tokens)
+
+
+if __name__ == "__main__":
+    main()
