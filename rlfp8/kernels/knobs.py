@@ -47,8 +47,9 @@ class KernelKnobs:
     # across it (the held B tile costs registers: W8A16's gate_up 4 instead of 6 programs per SM; the H100 measured
     # no layer faster, bench/README.md session 20); "after_loop" = right after the main loop, before the split-K
     # exchange and the wait for h, so their round trips overlap those; "split" = scales and slots before the main
-    # loop, the B tile after it. Same bits; dispatch records "lora_gemm.prefetch_epilogue" = the place
-    k2_prefetch_epilogue: str = "off"
+    # loop, the B tile after it (the default: the fastest place, bench/README.md session 22). Same bits; dispatch
+    # records "lora_gemm.prefetch_epilogue" = the place
+    k2_prefetch_epilogue: str = "split"
     # W8A16 widening of e4m3 tiles: "bits" = each config's PTX widening (GemmConfig.widen), "cvt" = Triton's
     # .to(bf16) everywhere (same bits)
     w8a16_widen: str = "bits"

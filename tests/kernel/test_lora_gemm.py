@@ -121,7 +121,7 @@ def test_dispatch_and_errors(device):
         lora_gemm(p["x"], p["q"], p["sw"], config=SMALL)
     lora_gemm(p["x"].cpu(), p["q"].cpu(), p["sw"].cpu())     # auto on CPU tensors: reference
     assert dispatch.report() == {"lora_gemm": {"triton": 1, "torch": 1}, "lora_gemm.schedule": {"explicit": 1},
-                                 "lora_gemm.prefetch_epilogue": {"off": 1}}
+                                 "lora_gemm.prefetch_epilogue": {"split": 1}}
     x, q, sw = p["x"], p["q"], p["sw"]
     with pytest.raises(ValueError, match=r"q \(64, 64\) must be \[N, K\] with K = x.shape\[1\] = 32"):
         lora_gemm_triton(x[:, :32], q, sw)
@@ -472,7 +472,7 @@ def test_prefetch_epilogue_only_at_decode_sizes_and_by_the_knob(device):
     does not know is refused, naming the knob and its values."""
     from rlfp8.kernels import _triton_utils as tu
     from rlfp8.kernels import knobs
-    assert knobs.knobs().k2_prefetch_epilogue == "off"           # the default (bench/README.md session 20)
+    assert knobs.knobs().k2_prefetch_epilogue == "split"         # the default (bench/README.md session 22)
     assert knobs._env_overrides({"RLFP8_K2_PREFETCH_EPILOGUE": "split"}) == {"k2_prefetch_epilogue": "split"}
     with pytest.raises(ValueError, match=r"RLFP8_K2_PREFETCH_EPILOGUE='1': allowed values are \('off', 'before_loop'"):
         knobs._env_overrides({"RLFP8_K2_PREFETCH_EPILOGUE": "1"})
