@@ -42,11 +42,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
+from pdl_timeline import MODES, MS, problems as layer_problems  # noqa: E402  (the layer bench/pdl_timeline.py times)
+
 SRC = ROOT / "rlfp8" / "kernels" / "gemm_triton.py"
-SHAPES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (12288, 12288)),
-          "down": (12288, (4096,))}
-RANK = 64
-MODES = ("w8a8", "w8a16")
 VARIANTS = ("nowait",)
 PLACES = ("before_loop", "after_loop", "split")
 SAME_BITS = {f"{k}_{p}": "lora" for k in ("lora", "grid") for p in PLACES} | {"grid": "lora"}
@@ -79,20 +77,15 @@ def load_variant(arm: str):
 
 
 def problems(M: int):
+    """bench/pdl_timeline.py's layer at M tokens, with each projection's x codes and h computed beforehand."""
     from rlfp8.kernels import fp8
-    from rlfp8.kernels.metadata import build_lora_meta
     from rlfp8.kernels.shrink import lora_shrink
-    g = torch.Generator(device="cuda").manual_seed(0)
-    meta = build_lora_meta(torch.zeros(M, dtype=torch.long, device="cuda"), 1)
     out = {}
-    for name, (K, widths) in SHAPES.items():
-        q, sw = fp8.quantize_weight_ref(torch.randn(sum(widths), K, device="cuda", generator=g) * 0.02)
-        A = [(torch.randn(1, RANK, K, device="cuda", generator=g) * 0.02).to(torch.bfloat16) for _ in widths]
-        B = [(torch.randn(1, n, RANK, device="cuda", generator=g) * 0.05).to(torch.bfloat16) for n in widths]
-        x = torch.randn(M, K, device="cuda", generator=g).to(torch.bfloat16)
-        xq, xs = fp8.quantize_activation(x, "div")
+    for name, (xs, q, sw, A, B, metas) in layer_problems().items():
+        x, meta = xs[M], metas[M]
+        xq, x_scale = fp8.quantize_activation(x, "div")
         h = {mode: lora_shrink(x, A, meta, mode=mode).h.clone() for mode in MODES}
-        out[name] = dict(x=x, xq=xq, xs=xs, q=q, sw=sw, A=A, B=B, h=h, meta=meta)
+        out[name] = dict(x=x, xq=xq, xs=x_scale, q=q, sw=sw, A=A, B=B, h=h, meta=meta)
     return out
 
 
@@ -207,7 +200,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out")
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16], choices=MS)
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 4))
     ap.add_argument("--layer-only", action="store_true", help="only the layer rows (the engine's decode path)")
     ap.add_argument("--check-edits", action="store_true", help="build every copy's source (CPU) and stop")

@@ -94,7 +94,7 @@ from ._triton_utils import (cdiv, check_pdl, check_tensor, device_sms, launch, m
 from .gemm_configs import (GLUON_SCHEDULE, M_BUCKETS, NUM_SMS_HINT, SM90_MAX_SMEM, WIDENINGS, GemmConfig,
                            batch_invariant, block_r, cached_launch_config, config_source, fit_smem,
                            gemm_config_and_source, invariant_gemm_config, m_bucket, rank_chunk, same_sums, smem_bytes)
-from .knobs import knobs
+from .knobs import K2_PREFETCH_EPILOGUE, knobs
 from .gemm_ref import check_lora_gemm_args
 from .fp8_triton import ROUNDING_CODE, _quant_codes, _rows_scale
 from .metadata import LoRAMeta
@@ -291,7 +291,7 @@ def _first_b_tile(b0_ptr, b1_ptr, b2_ptr, slots, offs_n, pid_n, N, R, end0, end1
 # calls of at most this many tokens (decode) load the epilogue's operands that K1 does not write ahead of the
 # epilogue (knob k2_prefetch_epilogue: where)
 PREFETCH_EPI_TOKENS = 16
-PREFETCH_EPI_CODES = {"off": 0, "before_loop": 1, "after_loop": 2, "split": 3}
+PREFETCH_EPI_CODES = {place: code for code, place in enumerate(K2_PREFETCH_EPILOGUE)}   # the kernel's PREFETCH_EPI
 _PIPE_SLOTS_OVERRIDE: bool | None = None     # tests only: force the multi-adapter epilogue variant on or off
 _BIG = tl.constexpr(1 << 30)    # "no more slots" sentinel (kernels may only read constexpr globals)
 
@@ -891,8 +891,8 @@ def _variant_flags(cfg, mode, x, meta, slices, has_lora, dist_red, x_tma) -> dic
     # in ~64 registers/thread
     red_unroll = (cfg.block_n * (cfg.block_m // cfg.split_k if dist_red else cfg.block_m) * (cfg.split_k - 1)
                   <= 64 * 32 * cfg.num_warps)
-    # decode sizes: the epilogue's operands that K1 does not write are loaded before the main loop; the first B
-    # tile is picked among the slices at run time, so they must share a dtype (they always do in the package)
+    # decode sizes: the epilogue's operands that K1 does not write are loaded ahead of it, where the knob says; the
+    # first B tile is picked among the slices at run time, so they must share a dtype (they always do in the package)
     decode = x.shape[0] <= PREFETCH_EPI_TOKENS
     where = kn.k2_prefetch_epilogue if decode and (not has_lora or len({b.dtype for b in slices}) == 1) else "off"
     prefetch_epi = PREFETCH_EPI_CODES[where]
