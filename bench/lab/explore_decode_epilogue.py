@@ -14,14 +14,22 @@ projection, both engine modes, the arms replayed in turn (L2 flushed before each
                  the wait for h), split (scales and slots before, the B tile after)
     grid         K1's programs first in K2's grid, the epilogue waiting on their counter (the default decode path)
     grid_<place> ... with k2_prefetch_epilogue = place
+    grid_countfirst_split  a copy of the kernel counting itself past K1's wait the way it did before session 23
+                 (a scalar atomic whose value is broadcast at once, before the loads of h), at place split
     grid_nowait  a copy of the kernel without the wait on K1's counter (racy: h may be stale; timing only): what
                  the wait costs
+    grid_nowait_<place>  ... at place before_loop / split: the tail left when neither the wait nor the B tile's
+                 load follows the main loop (what a wait without its own round trip could reach)
+    grid_onewave K1 in the grid at place split with knob k1_in_k2_one_wave = on (W8A8 too: fewer K2 stages where
+                 K1's programs would push the grid into a second wave)
+    grid_rb32    ... with knob k1_decode_rank_block = 32 (twice K1's programs, each half the ranks)
 
 First the layer as issue 15 reads it: the four projections through fp8_lora_linear with the default decode path
 (quantizer, K1 in K2's grid, PDL), for each place of k2_prefetch_epilogue ("layer" rows: base, off, before_loop,
 after_loop, split). Then per (mode, projection) every arm's µs, and the derived costs: epilogue = lora - base,
-K1 in the grid = grid - lora; per mode the four projections summed ("layer", K2 only). Outputs are checked
-against the package's lora arm (same bits where the arm keeps the arithmetic).
+K1 in the grid = grid - lora, the count's round trip before the loads of h = grid_countfirst_split - grid_split;
+per mode the four projections summed ("layer", K2 only). Outputs are checked against the package's lora arm (same
+bits where the arm keeps the arithmetic).
 
     python bench/lab/explore_decode_epilogue.py --check-edits          # CPU: the copy's edit applies
     python bench/lab/explore_decode_epilogue.py --out bench/results/explore_decode_epilogue_h200.json   # ~2 min
@@ -45,13 +53,25 @@ import torch  # noqa: E402
 from pdl_timeline import MODES, MS, problems as layer_problems  # noqa: E402  (the layer bench/pdl_timeline.py times)
 
 SRC = ROOT / "rlfp8" / "kernels" / "gemm_triton.py"
-VARIANTS = ("nowait",)
+VARIANTS = ("nowait", "countfirst")
 PLACES = ("before_loop", "after_loop", "split")
-SAME_BITS = {f"{k}_{p}": "lora" for k in ("lora", "grid") for p in PLACES} | {"grid": "lora"}
+SAME_BITS = ({f"{k}_{p}": "lora" for k in ("lora", "grid") for p in PLACES} | {"grid": "lora"}
+             | {"grid_onewave": "lora", "grid_rb32": "lora", "grid_countfirst_split": "lora"})
 
 K1_SPIN = ('        k1_done = tl.atomic_add(k1_sync_ptr, 0, sem="acquire", scope="gpu")\n'
            '        while k1_done < k1_programs:\n'
            '            k1_done = tl.atomic_add(k1_sync_ptr, 0, sem="acquire", scope="gpu")\n')
+# variant countfirst: the count past K1's wait as a scalar atomic right after the wait, its old value broadcast at
+# once and the counters reset there (the kernel before session 23): what its round trip before the loads of h cost
+COUNT_LANE = ('        lane = tl.arange(0, K1_THREADS)\n'
+              '        passed = tl.atomic_add(k1_sync_ptr + 1 + lane, 1, mask=lane == 0, sem="relaxed", scope="gpu")\n')
+COUNT_FIRST = ('        if tl.atomic_add(k1_sync_ptr + 1, 1, sem="relaxed", scope="gpu") == k1_consumers - 1:\n'
+               '            tl.atomic_xchg(k1_sync_ptr, 0, sem="relaxed", scope="gpu")\n'
+               '            tl.atomic_xchg(k1_sync_ptr + 1, 0, sem="relaxed", scope="gpu")\n')
+RESET_AT_END = ('    if K1_PROGRAMS:\n'
+                '        last = (lane == 0) & (passed == k1_consumers - 1)\n'
+                '        tl.atomic_xchg(k1_sync_ptr + lane, 0, mask=last, sem="relaxed", scope="gpu")\n'
+                '        tl.atomic_xchg(k1_sync_ptr + 1 + lane, 0, mask=last, sem="relaxed", scope="gpu")\n')
 T0 = time.time()
 
 
@@ -62,12 +82,11 @@ def log(msg):
 def variant_source(arm: str) -> str:
     from bench.lab.k2_ab import standalone_source
     s = standalone_source(SRC.read_text())
-    if arm == "nowait":
-        if s.count(K1_SPIN) != 1:
-            raise SystemExit(f"explore_decode_epilogue: the kernel changed, this edit no longer applies:\n{K1_SPIN}")
-        s = s.replace(K1_SPIN, "")
-    else:
-        raise ValueError(arm)
+    edits = {"nowait": [(K1_SPIN, "")], "countfirst": [(COUNT_LANE, COUNT_FIRST), (RESET_AT_END, "")]}[arm]
+    for old, new in edits:
+        if s.count(old) != 1:
+            raise SystemExit(f"explore_decode_epilogue: the kernel changed, this edit no longer applies:\n{old}")
+        s = s.replace(old, new)
     return s
 
 
@@ -95,13 +114,17 @@ def arm_fn(p, mode, arm, mods):
     from rlfp8.kernels.knobs import restore_knobs, set_knobs
     from rlfp8.kernels.shrink_triton import shrink_programs
     name, _, var = arm.partition("_")
-    mod = mods[var] if var in VARIANTS else gemm_triton
-    place = var if var in PLACES else "off"
+    variant, _, rest = var.partition("_")
+    mod = mods[variant] if variant in VARIANTS else gemm_triton
+    place = var if var in PLACES else rest if variant in VARIANTS and rest in PLACES else "off"
+    knob_arm = KNOB_ARMS.get(var, {})
+    if knob_arm:
+        place = "split"
     x_in, xs = (p["xq"], p["xs"]) if mode == "w8a8" else (p["x"], None)
     h_grid = torch.empty_like(p["h"][mode])
 
     def fn():
-        saved = set_knobs(k2_prefetch_epilogue=place)
+        saved = set_knobs(k2_prefetch_epilogue=place, **knob_arm)
         try:
             if name == "base":
                 return mod.lora_gemm_triton(x_in, p["q"], p["sw"], x_scale=xs)
@@ -116,8 +139,11 @@ def arm_fn(p, mode, arm, mods):
     return fn
 
 
+KNOB_ARMS = {"onewave": dict(k1_in_k2_one_wave="on"), "rb32": dict(k1_decode_rank_block=32)}
 ARMS = (("base", "lora", "lora_bf16") + tuple(f"lora_{p}" for p in PLACES) + ("grid",)
-        + tuple(f"grid_{p}" for p in PLACES) + ("grid_nowait",))
+        + tuple(f"grid_{p}" for p in PLACES) + ("grid_countfirst_split", "grid_nowait", "grid_nowait_before_loop",
+                                                "grid_nowait_split")
+        + tuple(f"grid_{k}" for k in KNOB_ARMS))
 
 
 def _precompile(calls, jobs: int, what: str) -> None:
@@ -146,7 +172,8 @@ def run(reps: int, M: int, jobs: int, mods: dict) -> dict:
             same = {a: bool(torch.equal(outs[a], outs[ref])) for a, ref in SAME_BITS.items()}
             row = dict(mode=mode, proj=proj, M=M, us={a: round(v, 2) for a, v in us.items()}, same_bits=same,
                        epilogue_us=round(us["lora"] - us["base"], 2), k1_in_grid_us=round(us["grid"] - us["lora"], 2),
-                       grid_over_base=round(us["grid"] / us["base"], 4))
+                       grid_over_base=round(us["grid"] / us["base"], 4),
+                       count_first_us=round(us["grid_countfirst_split"] - us["grid_split"], 2))
             rows.append(row)
             log(f"{mode} {proj:8s} " + " ".join(f"{a} {v:.2f}" for a, v in us.items())
                 + f" | not same bits: {[a for a, s in same.items() if not s]}")
@@ -158,18 +185,25 @@ def run(reps: int, M: int, jobs: int, mods: dict) -> dict:
     return dict(rows=rows, layer=layer)
 
 
-LAYER_ARMS = ("base", "off") + PLACES
+LAYER_ARMS = ("base", "off") + PLACES + ("split_countfirst", "split_onewave")
 
 
-def layer_fn(probs, mode, arm):
+def layer_fn(probs, mode, arm, mods):
     """fn() running the four projections of one layer through rlfp8.kernels.fp8_lora_linear with the default
     knobs (the engine's decode path: quantizer, K1 in K2's grid, PDL) and k2_prefetch_epilogue = arm ("base": no
-    adapter)."""
+    adapter); split_countfirst: at place split, K2 the countfirst copy's kernel (the launches go through the
+    package's host code); split_onewave: at place split with k1_in_k2_one_wave = on."""
+    from rlfp8.kernels import gemm_triton
     from rlfp8.kernels.knobs import restore_knobs, set_knobs
     from rlfp8.kernels.projection import fp8_lora_linear
+    place, _, var = arm.partition("_") if arm.startswith("split_") else (arm, "", "")
+    knob_arm = KNOB_ARMS.get(var, {})
 
     def fn():
-        saved = set_knobs(k2_prefetch_epilogue=arm if arm in PLACES else "off")
+        saved = set_knobs(k2_prefetch_epilogue=place if place in PLACES else "off", **knob_arm)
+        kernel = gemm_triton._lora_gemm_kernel
+        if var in VARIANTS:
+            gemm_triton._lora_gemm_kernel = mods[var]._lora_gemm_kernel
         try:
             for p in probs.values():
                 if arm == "base":
@@ -177,19 +211,22 @@ def layer_fn(probs, mode, arm):
                 else:
                     fp8_lora_linear(p["x"], p["q"], p["sw"], p["A"], p["B"], p["meta"], mode=mode)
         finally:
+            gemm_triton._lora_gemm_kernel = kernel
             restore_knobs(saved)
     return fn
 
 
-def layer_run(reps: int, M: int, jobs: int) -> list[dict]:
+def layer_run(reps: int, M: int, jobs: int, mods: dict) -> list[dict]:
     """The layer as issue 15 reads it (bench/pdl_timeline.py's layer rows), per arm of K2's copies."""
     from kernel_bench import Timer
     probs = problems(M)
-    _precompile([layer_fn(probs, mode, arm) for mode in MODES for arm in LAYER_ARMS], jobs, f"layer, M={M}")
+    _precompile([layer_fn(probs, mode, arm, mods) for mode in MODES for arm in LAYER_ARMS], jobs,
+                f"layer, M={M}")
     timer = Timer(reps)
     rows = []
     for mode in MODES:
-        us = dict(zip(LAYER_ARMS, timer.paired_us([layer_fn(probs, mode, a) for a in LAYER_ARMS])))
+        fns = [layer_fn(probs, mode, a, mods) for a in LAYER_ARMS]
+        us = dict(zip(LAYER_ARMS, timer.paired_us(fns)))
         rows.append(dict(mode=mode, M=M, us={a: round(v, 2) for a, v in us.items()},
                          over_base={a: round(v / us["base"], 4) for a, v in us.items()}))
         log(f"{mode} layer M={M}: " + " ".join(f"{a} {v:.2f} ({v / us['base']:.3f})" for a, v in us.items()))
@@ -214,7 +251,7 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("explore_decode_epilogue: needs a GPU (or --check-edits)")
     mods = {v: load_variant(v) for v in VARIANTS}
-    res = dict(meta=_meta(a), layer=[r for M in a.tokens for r in layer_run(a.reps, M, a.jobs)])
+    res = dict(meta=_meta(a), layer=[r for M in a.tokens for r in layer_run(a.reps, M, a.jobs, mods)])
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=1))

@@ -348,6 +348,7 @@ def _lora_gemm_kernel(
     K1_BLOCK_M: tl.constexpr, K1_BLOCK_R: tl.constexpr, K1_BLOCK_K: tl.constexpr, K1_SPLIT_K: tl.constexpr,
     K1_EVEN_K: tl.constexpr, K1_RED_UNROLL: tl.constexpr, K1_BR_BLOCK: tl.constexpr, K1_MASK_ROWS: tl.constexpr,
     K1_STAGES: tl.constexpr,    # shrink_triton.ShrinkPrograms.consts: K1's own config, so its h bits
+    K1_THREADS: tl.constexpr,   # 32 x num_warps: one lane per thread for the count past K1's wait (see there)
 ):
     pid = tl.program_id(0)
     if K1_PROGRAMS:
@@ -572,15 +573,18 @@ def _lora_gemm_kernel(
 
     if K1_PROGRAMS:
         # h comes from this grid's K1 programs: wait until all have counted themselves (acquire: their h is then
-        # visible); the last of the k1_consumers programs that get here resets both counters for the next launch
+        # visible); the last of the k1_consumers programs that get past it resets both counters for the next
+        # launch, at the program's end. The count past the wait is one lane's atomic (a tensor with one element
+        # per thread, the others masked): its old value stays in that lane's register, used only after the output
+        # is stored, so its L2 round trip overlaps the epilogue (a scalar atomic's value is broadcast through shared
+        # memory at once, which put that round trip between the wait and the loads of h)
         stamp(pid == 0, K2_WAIT_ENTER, False)
         k1_done = tl.atomic_add(k1_sync_ptr, 0, sem="acquire", scope="gpu")
         while k1_done < k1_programs:
             k1_done = tl.atomic_add(k1_sync_ptr, 0, sem="acquire", scope="gpu")
         stamp(pid == 0, K2_WAIT_EXIT, False)
-        if tl.atomic_add(k1_sync_ptr + 1, 1, sem="relaxed", scope="gpu") == k1_consumers - 1:
-            tl.atomic_xchg(k1_sync_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(k1_sync_ptr + 1, 0, sem="relaxed", scope="gpu")
+        lane = tl.arange(0, K1_THREADS)
+        passed = tl.atomic_add(k1_sync_ptr + 1 + lane, 1, mask=lane == 0, sem="relaxed", scope="gpu")
     elif USE_PDL:
         if not PDL_WAIT_EARLY:
             stamp(pid == 0, K2_WAIT_ENTER, False)
@@ -688,6 +692,10 @@ def _lora_gemm_kernel(
         acc += tl.load(bias_ptr + n_ld).to(tl.float32)[:, None]
     y_ptrs = y_ptr + rows64[None, :] * stride_ym + offs_n[:, None] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+    if K1_PROGRAMS:
+        last = (lane == 0) & (passed == k1_consumers - 1)
+        tl.atomic_xchg(k1_sync_ptr + lane, 0, mask=last, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(k1_sync_ptr + 1 + lane, 0, mask=last, sem="relaxed", scope="gpu")
     stamp(pid >= 0, K2_END, True)
 
 
@@ -968,7 +976,8 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     variant = _variant_flags(cfg, mode, x, meta, slices, has_lora, dist_red, x_tma)   # (stages do not matter)
     if shrink is not None and config is None and knobs().k1_in_k2_one_wave in ("on", mode):
         cfg = _one_wave(cfg, mode, r, programs + shrink.programs, variant["PREFETCH_EPI"], x.device)
-    k1_args, k1_consts = _k1_block(shrink, programs if cfg.split_k == 1 or dist_red else m_tiles * n_tiles, dummy)
+    k1_args, k1_consts = _k1_block(shrink, programs if cfg.split_k == 1 or dist_red else m_tiles * n_tiles,
+                                   cfg.num_warps, dummy)
     launch(_lora_gemm_kernel, (programs + (shrink.programs if shrink is not None else 0),),
            w_arg, x_arg, out, w_scale if w_scale is not None else dummy, x_scale if x_scale is not None else dummy, q,
            h if has_lora else dummy, *b_ptrs, slot_t, perm_t, g if g is not None else dummy,
@@ -993,12 +1002,13 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
 
 # K2's K1 constexprs when its grid runs no K1 programs
 _NO_K1 = dict(K1_PROGRAMS=False, K1_BLOCK_M=16, K1_BLOCK_R=16, K1_BLOCK_K=16, K1_SPLIT_K=1, K1_EVEN_K=True,
-              K1_RED_UNROLL=False, K1_BR_BLOCK=16, K1_MASK_ROWS=False, K1_STAGES=1)
+              K1_RED_UNROLL=False, K1_BR_BLOCK=16, K1_MASK_ROWS=False, K1_STAGES=1, K1_THREADS=32)
 
 
-def _k1_block(shrink: ShrinkPrograms | None, consumers: int, dummy) -> tuple[tuple, dict]:
+def _k1_block(shrink: ShrinkPrograms | None, consumers: int, num_warps: int, dummy) -> tuple[tuple, dict]:
     """K2's K1 arguments (pointers, counts, strides) and constexprs: the shrink programs' or placeholders.
-    `consumers`: how many GEMM programs reach the epilogue (the last of them resets the counters)."""
+    `consumers`: how many GEMM programs reach the epilogue (the last of them resets the counters); `num_warps`:
+    K2's (K1_THREADS)."""
     if shrink is None:          # the kernel's 11 k1_* pointers and 8 k1_* counts/strides, unused
         return (dummy,) * 11 + (0,) * 8, _NO_K1
     dispatch.record(f"{OP}.k1", "in_k2")
@@ -1006,7 +1016,7 @@ def _k1_block(shrink: ShrinkPrograms | None, consumers: int, dummy) -> tuple[tup
     x = shrink.x
     args = (x, *shrink.a3, shrink.ws, shrink.cnt, *shrink.segments, sync, shrink.m_tiles, shrink.programs,
             consumers, x.stride(0), x.stride(1), *shrink.a3[0].stride())
-    return args, dict(shrink.consts, K1_PROGRAMS=True)
+    return args, dict(shrink.consts, K1_PROGRAMS=True, K1_THREADS=32 * num_warps)
 
 
 def _check_shrink(shrink: ShrinkPrograms, h, has_lora, quantize_x) -> None:
