@@ -54,12 +54,11 @@ from pdl_timeline import MODES, MS, problems as layer_problems  # noqa: E402  (t
 
 SRC = ROOT / "rlfp8" / "kernels" / "gemm_triton.py"
 VARIANTS = ("nowait", "countfirst")
-PLACES = ("before_loop", "after_loop", "split")
+PLACES = ("before_loop", "after_loop", "split", "mid_loop")
 SAME_BITS = ({f"{k}_{p}": "lora" for k in ("lora", "grid") for p in PLACES} | {"grid": "lora"}
              | {"grid_onewave": "lora", "grid_rb32": "lora", "grid_countfirst_split": "lora"})
 
-K1_SPIN = ('        k1_done = tl.atomic_add(k1_sync_ptr, 0, sem="acquire", scope="gpu")\n'
-           '        while k1_done < k1_programs:\n'
+K1_SPIN = ('        while k1_done < k1_programs:\n'
            '            k1_done = tl.atomic_add(k1_sync_ptr, 0, sem="acquire", scope="gpu")\n')
 # variant countfirst: the count past K1's wait as a scalar atomic right after the wait, its old value broadcast at
 # once and the counters reset there (the kernel before session 23): what its round trip before the loads of h cost
