@@ -14,20 +14,20 @@ projection, both engine modes, the arms replayed in turn (L2 flushed before each
                  the wait for h), split (scales and slots before, the B tile after)
     grid         K1's programs first in K2's grid, the epilogue waiting on their counter (the default decode path)
     grid_<place> ... with k2_prefetch_epilogue = place
-    grid_countfirst_split  a copy of the kernel counting itself past K1's wait the way it did before session 23
-                 (a scalar atomic whose value is broadcast at once, before the loads of h), at place split
+    grid_countswap_split  a copy of the kernel counting itself past K1's wait the other way than the mode's default
+                 (W8A8: one lane's atomic read at the end; W8A16: a scalar atomic at once), at place split
     grid_nowait  a copy of the kernel without the wait on K1's counter (racy: h may be stale; timing only): what
                  the wait costs
     grid_nowait_<place>  ... at place before_loop / split: the tail left when neither the wait nor the B tile's
                  load follows the main loop (what a wait without its own round trip could reach)
-    grid_onewave K1 in the grid at place split with knob k1_in_k2_one_wave = on (W8A8 too: fewer K2 stages where
-                 K1's programs would push the grid into a second wave)
+    grid_wave16  K1 in the grid at place split with knob k1_in_k2_one_wave = w8a16 (the default before session 23:
+                 W8A8 keeps its stages where K1's programs push the grid into a second wave)
     grid_rb32    ... with knob k1_decode_rank_block = 32 (twice K1's programs, each half the ranks)
 
 First the layer as issue 15 reads it: the four projections through fp8_lora_linear with the default decode path
 (quantizer, K1 in K2's grid, PDL), for each place of k2_prefetch_epilogue ("layer" rows: base, off, before_loop,
 after_loop, split). Then per (mode, projection) every arm's µs, and the derived costs: epilogue = lora - base,
-K1 in the grid = grid - lora, the count's round trip before the loads of h = grid_countfirst_split - grid_split;
+K1 in the grid = grid - lora, the other placement of the count past the wait = grid_countswap_split - grid_split;
 per mode the four projections summed ("layer", K2 only). Outputs are checked against the package's lora arm (same
 bits where the arm keeps the arithmetic).
 
@@ -53,24 +53,18 @@ import torch  # noqa: E402
 from pdl_timeline import MODES, MS, problems as layer_problems  # noqa: E402  (the layer bench/pdl_timeline.py times)
 
 SRC = ROOT / "rlfp8" / "kernels" / "gemm_triton.py"
-VARIANTS = ("nowait", "countfirst")
-PLACES = ("before_loop", "after_loop", "split", "mid_loop")
+VARIANTS = ("nowait", "countswap")
+PLACES = ("before_loop", "after_loop", "split")
 SAME_BITS = ({f"{k}_{p}": "lora" for k in ("lora", "grid") for p in PLACES} | {"grid": "lora"}
-             | {"grid_onewave": "lora", "grid_rb32": "lora", "grid_countfirst_split": "lora"})
+             | {"grid_wave16": "lora", "grid_rb32": "lora", "grid_countswap_split": "lora"})
 
-K1_SPIN = ('        while k1_done < k1_programs:\n'
+K1_SPIN = ('        k1_done = tl.atomic_add(k1_sync_ptr, 0, sem="acquire", scope="gpu")\n'
+           '        while k1_done < k1_programs:\n'
            '            k1_done = tl.atomic_add(k1_sync_ptr, 0, sem="acquire", scope="gpu")\n')
-# variant countfirst: the count past K1's wait as a scalar atomic right after the wait, its old value broadcast at
-# once and the counters reset there (the kernel before session 23): what its round trip before the loads of h cost
-COUNT_LANE = ('        lane = tl.arange(0, K1_THREADS)\n'
-              '        passed = tl.atomic_add(k1_sync_ptr + 1 + lane, 1, mask=lane == 0, sem="relaxed", scope="gpu")\n')
-COUNT_FIRST = ('        if tl.atomic_add(k1_sync_ptr + 1, 1, sem="relaxed", scope="gpu") == k1_consumers - 1:\n'
-               '            tl.atomic_xchg(k1_sync_ptr, 0, sem="relaxed", scope="gpu")\n'
-               '            tl.atomic_xchg(k1_sync_ptr + 1, 0, sem="relaxed", scope="gpu")\n')
-RESET_AT_END = ('    if K1_PROGRAMS:\n'
-                '        last = (lane == 0) & (passed == k1_consumers - 1)\n'
-                '        tl.atomic_xchg(k1_sync_ptr + lane, 0, mask=last, sem="relaxed", scope="gpu")\n'
-                '        tl.atomic_xchg(k1_sync_ptr + 1 + lane, 0, mask=last, sem="relaxed", scope="gpu")\n')
+# variant countswap: the count past K1's wait placed the other way than the mode's default (gemm_triton's
+# K1_THREADS: a scalar atomic at once for W8A8, one lane's atomic read at the program's end for W8A16)
+COUNT_CHOICE = '32 * cfg.num_warps if mode == "w8a16" else 0, dummy)'
+COUNT_SWAPPED = '0 if mode == "w8a16" else 32 * cfg.num_warps, dummy)'
 T0 = time.time()
 
 
@@ -81,7 +75,7 @@ def log(msg):
 def variant_source(arm: str) -> str:
     from bench.lab.k2_ab import standalone_source
     s = standalone_source(SRC.read_text())
-    edits = {"nowait": [(K1_SPIN, "")], "countfirst": [(COUNT_LANE, COUNT_FIRST), (RESET_AT_END, "")]}[arm]
+    edits = {"nowait": [(K1_SPIN, "")], "countswap": [(COUNT_CHOICE, COUNT_SWAPPED)]}[arm]
     for old, new in edits:
         if s.count(old) != 1:
             raise SystemExit(f"explore_decode_epilogue: the kernel changed, this edit no longer applies:\n{old}")
@@ -138,9 +132,9 @@ def arm_fn(p, mode, arm, mods):
     return fn
 
 
-KNOB_ARMS = {"onewave": dict(k1_in_k2_one_wave="on"), "rb32": dict(k1_decode_rank_block=32)}
+KNOB_ARMS = {"wave16": dict(k1_in_k2_one_wave="w8a16"), "rb32": dict(k1_decode_rank_block=32)}
 ARMS = (("base", "lora", "lora_bf16") + tuple(f"lora_{p}" for p in PLACES) + ("grid",)
-        + tuple(f"grid_{p}" for p in PLACES) + ("grid_countfirst_split", "grid_nowait", "grid_nowait_before_loop",
+        + tuple(f"grid_{p}" for p in PLACES) + ("grid_countswap_split", "grid_nowait", "grid_nowait_before_loop",
                                                 "grid_nowait_split")
         + tuple(f"grid_{k}" for k in KNOB_ARMS))
 
@@ -172,7 +166,7 @@ def run(reps: int, M: int, jobs: int, mods: dict) -> dict:
             row = dict(mode=mode, proj=proj, M=M, us={a: round(v, 2) for a, v in us.items()}, same_bits=same,
                        epilogue_us=round(us["lora"] - us["base"], 2), k1_in_grid_us=round(us["grid"] - us["lora"], 2),
                        grid_over_base=round(us["grid"] / us["base"], 4),
-                       count_first_us=round(us["grid_countfirst_split"] - us["grid_split"], 2))
+                       count_swap_us=round(us["grid_countswap_split"] - us["grid_split"], 2))
             rows.append(row)
             log(f"{mode} {proj:8s} " + " ".join(f"{a} {v:.2f}" for a, v in us.items())
                 + f" | not same bits: {[a for a, s in same.items() if not s]}")
@@ -184,14 +178,14 @@ def run(reps: int, M: int, jobs: int, mods: dict) -> dict:
     return dict(rows=rows, layer=layer)
 
 
-LAYER_ARMS = ("base", "off") + PLACES + ("split_countfirst", "split_onewave")
+LAYER_ARMS = ("base", "off") + PLACES + ("split_countswap", "split_wave16")
 
 
 def layer_fn(probs, mode, arm, mods):
     """fn() running the four projections of one layer through rlfp8.kernels.fp8_lora_linear with the default
     knobs (the engine's decode path: quantizer, K1 in K2's grid, PDL) and k2_prefetch_epilogue = arm ("base": no
-    adapter); split_countfirst: at place split, K2 the countfirst copy's kernel (the launches go through the
-    package's host code); split_onewave: at place split with k1_in_k2_one_wave = on."""
+    adapter); split_countswap: at place split, K2 the countswap copy's kernel (the launches go through the
+    package's host code); split_wave16: at place split with k1_in_k2_one_wave = w8a16."""
     from rlfp8.kernels import gemm_triton
     from rlfp8.kernels.knobs import restore_knobs, set_knobs
     from rlfp8.kernels.projection import fp8_lora_linear

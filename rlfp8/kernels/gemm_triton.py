@@ -294,8 +294,6 @@ PREFETCH_EPI_TOKENS = 16
 PREFETCH_EPI_CODES = {place: code for code, place in enumerate(K2_PREFETCH_EPILOGUE)}   # the kernel's PREFETCH_EPI
 _PIPE_SLOTS_OVERRIDE: bool | None = None     # tests only: force the multi-adapter epilogue variant on or off
 _BIG = tl.constexpr(1 << 30)    # "no more slots" sentinel (kernels may only read constexpr globals)
-# PREFETCH_EPI 4 (mid_loop): the iterations of K2's main loop left after the one that loads h and the B tile
-MID_LEAD = tl.constexpr(2)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -350,7 +348,8 @@ def _lora_gemm_kernel(
     K1_BLOCK_M: tl.constexpr, K1_BLOCK_R: tl.constexpr, K1_BLOCK_K: tl.constexpr, K1_SPLIT_K: tl.constexpr,
     K1_EVEN_K: tl.constexpr, K1_RED_UNROLL: tl.constexpr, K1_BR_BLOCK: tl.constexpr, K1_MASK_ROWS: tl.constexpr,
     K1_STAGES: tl.constexpr,    # shrink_triton.ShrinkPrograms.consts: K1's own config, so its h bits
-    K1_THREADS: tl.constexpr,   # 32 x num_warps: one lane per thread for the count past K1's wait (see there)
+    K1_THREADS: tl.constexpr,   # the count past K1's wait (see there): 0 = a scalar atomic at once (W8A8); 32 x
+                                # num_warps = one lane's atomic, its value read at the program's end (W8A16)
 ):
     pid = tl.program_id(0)
     if K1_PROGRAMS:
@@ -415,14 +414,11 @@ def _lora_gemm_kernel(
     # in the one-chunk epilogues (rank <= 64) without the slot pipeline. Where (knob k2_prefetch_epilogue): 1 all
     # before the main loop, held in registers across it; 2 all right after it, before the split-K exchange and the
     # wait for h (their round trips overlap those, nothing is held across the loop); 3 the scales and slots before,
-    # the B tile after; 4 (mid_loop) the scales and slots before, and with K1's programs in the grid (MID) the B
-    # tile and h inside the main loop, MID_LEAD iterations before its end (see there), else as 3
+    # the B tile after
     PREFETCH_ROWS: tl.constexpr = PREFETCH_EPI != 0 and not (SPLIT_K > 1 and DIST_RED)
     PREFETCH_B: tl.constexpr = (PREFETCH_EPI != 0 and HAS_LORA and _rank_chunk(BLOCK_R) == BLOCK_R
                                 and (ALL_SLOT0 or (PREFETCH_ROWS and not PIPE_SLOTS)))
-    MID: tl.constexpr = (PREFETCH_EPI == 4 and K1_PROGRAMS and HAS_LORA and PREFETCH_ROWS
-                         and _rank_chunk(BLOCK_R) == BLOCK_R)
-    if PREFETCH_EPI == 1 or PREFETCH_EPI >= 3:
+    if PREFETCH_EPI == 1 or PREFETCH_EPI == 3:
         sw, sx, slots = _epilogue_row_operands(sw_ptr, sx_ptr, slot_ptr, n_ld, rows64, m_ok, SCALE_W, HAS_XS,
                                                QUANT_X, HAS_LORA, ALL_SLOT0, PREFETCH_ROWS)
     if PREFETCH_B and PREFETCH_EPI == 1:
@@ -444,49 +440,7 @@ def _lora_gemm_kernel(
         if not X_TMA:
             x_ptrs = x_ptr + rows64[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk    # [BM, BK]
         acc_mn = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if MID:
-        # h's round trips after the loop (the wait on K1's counter, then h itself from L2) were most of the adapter's
-        # cost at decode sizes, where K1's programs end long before the loop does. So one poll of K1's counter
-        # MID_LEAD + 1 iterations before the loop's end, and in the next iteration the first B tile and, if K1's
-        # programs were done, h of this tile's slice and rows (the loads the epilogue would make, the same values):
-        # the epilogue then finds both in registers. A loop too short for it, or K1 not yet done, leaves the
-        # epilogue its own wait and loads (place 3). A stall in the loop costs little: the pipeline's loads stay in
-        # flight
-        n_iter = tl.cdiv(k_hi - k_lo, BLOCK_K)
-        k_load = k_lo + (n_iter - MID_LEAD) * BLOCK_K
-        mid_on = n_iter > MID_LEAD
-        mid_ready = pid < 0
-        tile_slice = pid * 0
-        if N_SLICES > 1:
-            tile_slice = (pid_n * BLOCK_N >= end0).to(tl.int32) + (pid_n * BLOCK_N >= end1).to(tl.int32)
-        offs_rm = tl.arange(0, BLOCK_R)
-        if ALL_SLOT0:
-            h_rows = m_ok
-        else:
-            h_rows = slots >= 0
-        h_pre_ptrs = (h_ptr + tile_slice.to(tl.int64) * stride_hl + rows64[None, :] * stride_hm
-                      + offs_rm[:, None] * stride_hr)                                           # [BR, BM]
-        h_pre_mask = h_rows[None, :] & (offs_rm < R)[:, None]
-        hT_pre = tl.zeros((BLOCK_R, BLOCK_M), dtype=tl.float32)
-        if PREFETCH_B:
-            bt_first = tl.zeros((BLOCK_N, BLOCK_R), dtype=b0_ptr.dtype.element_ty)
-            first_slice = pid * 0
-            first_slot = pid * 0
     for k in range(k_lo, k_hi, BLOCK_K):
-        if MID:
-            if k == k_load - BLOCK_K:
-                mid_ready = tl.atomic_add(k1_sync_ptr, 0, sem="acquire", scope="gpu") >= k1_programs
-            if k == k_load:
-                if PREFETCH_B:
-                    bt_mid, slice_mid, slot_mid = _first_b_tile(b0_ptr, b1_ptr, b2_ptr, slots, offs_n, pid_n, N, R,
-                                                                end0, end1, stride_bs0, stride_bs1, stride_bs2,
-                                                                stride_bn, stride_br, BLOCK_N, BLOCK_R, N_SLICES,
-                                                                ALL_SLOT0)
-                    bt_first = bt_mid
-                    first_slice = slice_mid + pid * 0
-                    first_slot = slot_mid + pid * 0
-                if mid_ready:
-                    hT_pre = tl.load(h_pre_ptrs, mask=h_pre_mask, other=0.0)
         if W_TMA == 1:
             w = w_ptr.load([pid_n * BLOCK_N, k])                  # out-of-range rows/cols read as 0
         elif W_TMA == 2:
@@ -552,18 +506,10 @@ def _lora_gemm_kernel(
     if PREFETCH_EPI == 2:
         sw, sx, slots = _epilogue_row_operands(sw_ptr, sx_ptr, slot_ptr, n_ld, rows64, m_ok, SCALE_W, HAS_XS,
                                                QUANT_X, HAS_LORA, ALL_SLOT0, PREFETCH_ROWS)
-    if PREFETCH_B and PREFETCH_EPI >= 2 and not MID:
+    if PREFETCH_B and PREFETCH_EPI >= 2:
         bt_first, first_slice, first_slot = _first_b_tile(b0_ptr, b1_ptr, b2_ptr, slots, offs_n, pid_n, N, R, end0,
                                                           end1, stride_bs0, stride_bs1, stride_bs2, stride_bn,
                                                           stride_br, BLOCK_N, BLOCK_R, N_SLICES, ALL_SLOT0)
-    if PREFETCH_B and MID:
-        if not mid_on:
-            bt_late, slice_late, slot_late = _first_b_tile(b0_ptr, b1_ptr, b2_ptr, slots, offs_n, pid_n, N, R, end0,
-                                                           end1, stride_bs0, stride_bs1, stride_bs2, stride_bn,
-                                                           stride_br, BLOCK_N, BLOCK_R, N_SLICES, ALL_SLOT0)
-            bt_first = bt_late
-            first_slice = slice_late + pid * 0
-            first_slot = slot_late + pid * 0
 
     # ---- split-K: the partials are added in split order, by the tile's last program (all its tokens) or,
     # DIST_RED, by every program for its BLOCK_M // SPLIT_K tokens
@@ -629,19 +575,22 @@ def _lora_gemm_kernel(
     if K1_PROGRAMS:
         # h comes from this grid's K1 programs: wait until all have counted themselves (acquire: their h is then
         # visible); the last of the k1_consumers programs that get past it resets both counters for the next
-        # launch, at the program's end. The count past the wait is one lane's atomic (a tensor with one element
-        # per thread, the others masked): its old value stays in that lane's register, used only after the output
-        # is stored, so its L2 round trip overlaps the epilogue (a scalar atomic's value is broadcast through shared
-        # memory at once, which put that round trip between the wait and the loads of h)
+        # launch. K1_THREADS > 0: the count past the wait is one lane's atomic (a tensor with one element per
+        # thread, the others masked), whose old value stays in that lane's register and is read only after the
+        # output is stored, the reset then at the program's end: its L2 round trip overlaps the epilogue (a scalar
+        # atomic's value is broadcast through shared memory at once, a round trip between the wait and the loads
+        # of h). The H100 measured the late count faster for W8A16 and slower for W8A8 (bench/README.md session 23)
         stamp(pid == 0, K2_WAIT_ENTER, False)
-        k1_done = k1_programs * 0
-        if MID:
-            k1_done = tl.where(mid_ready, k1_programs, 0)           # the loop's poll saw K1 done: no wait
+        k1_done = tl.atomic_add(k1_sync_ptr, 0, sem="acquire", scope="gpu")
         while k1_done < k1_programs:
             k1_done = tl.atomic_add(k1_sync_ptr, 0, sem="acquire", scope="gpu")
         stamp(pid == 0, K2_WAIT_EXIT, False)
-        lane = tl.arange(0, K1_THREADS)
-        passed = tl.atomic_add(k1_sync_ptr + 1 + lane, 1, mask=lane == 0, sem="relaxed", scope="gpu")
+        if K1_THREADS:
+            lane = tl.arange(0, K1_THREADS)
+            passed = tl.atomic_add(k1_sync_ptr + 1 + lane, 1, mask=lane == 0, sem="relaxed", scope="gpu")
+        elif tl.atomic_add(k1_sync_ptr + 1, 1, sem="relaxed", scope="gpu") == k1_consumers - 1:
+            tl.atomic_xchg(k1_sync_ptr, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(k1_sync_ptr + 1, 0, sem="relaxed", scope="gpu")
     elif USE_PDL:
         if not PDL_WAIT_EARLY:
             stamp(pid == 0, K2_WAIT_ENTER, False)
@@ -686,13 +635,7 @@ def _lora_gemm_kernel(
                 if ALL_SLOT0:
                     # one slot for every row (the trainer): no loop
                     if BR_CHUNK == BLOCK_R:
-                        if MID:
-                            if mid_ready & (tile_slice == i):
-                                hT = hT_pre                                 # loaded in the main loop
-                            else:
-                                hT = tl.load(h_tile, mask=m_ok[None, :] & r_ok[:, None], other=0.0)
-                        else:
-                            hT = tl.load(h_tile, mask=m_ok[None, :] & r_ok[:, None], other=0.0)  # [BR, BM] fp32
+                        hT = tl.load(h_tile, mask=m_ok[None, :] & r_ok[:, None], other=0.0)      # [BR, BM] fp32
                         if PREFETCH_B and (N_SLICES == 1 or first_slice == i):
                             bt = bt_first                                   # loaded before the main loop
                         else:
@@ -711,13 +654,7 @@ def _lora_gemm_kernel(
                     while cur < _BIG:
                         sel = slots == cur
                         if BR_CHUNK == BLOCK_R:
-                            if MID:
-                                if mid_ready & (tile_slice == i):
-                                    hT = tl.where(sel[None, :], hT_pre, 0.0)    # the slot's rows of the loop's h
-                                else:
-                                    hT = tl.load(h_tile, mask=sel[None, :] & r_ok[:, None], other=0.0)
-                            else:
-                                hT = tl.load(h_tile, mask=sel[None, :] & r_ok[:, None], other=0.0)
+                            hT = tl.load(h_tile, mask=sel[None, :] & r_ok[:, None], other=0.0)
                             if PREFETCH_B and (N_SLICES == 1 or first_slice == i) and cur == first_slot:
                                 bt = bt_first                               # loaded before the main loop
                             else:
@@ -736,13 +673,7 @@ def _lora_gemm_kernel(
                     # with an adapter) and each slot selects its rows in registers (the other rows are 0,
                     # exactly as with a masked load); the next slot's B tile is loaded before this slot's
                     # MMAs, so the slots cost one memory round trip in total instead of two each.
-                    if MID:
-                        if mid_ready & (tile_slice == i):
-                            hT = hT_pre
-                        else:
-                            hT = tl.load(h_tile, mask=(slots >= 0)[None, :] & r_ok[:, None], other=0.0)
-                    else:
-                        hT = tl.load(h_tile, mask=(slots >= 0)[None, :] & r_ok[:, None], other=0.0)
+                    hT = tl.load(h_tile, mask=(slots >= 0)[None, :] & r_ok[:, None], other=0.0)
                     cur = tl.min(tl.where(slots >= 0, slots, _BIG))
                     bt = tl.load(b_tile + tl.where(cur < _BIG, cur, 0).to(tl.int64) * stride_bs,
                                  mask=b_mask & (cur < _BIG), other=0.0)
@@ -767,7 +698,7 @@ def _lora_gemm_kernel(
         acc += tl.load(bias_ptr + n_ld).to(tl.float32)[:, None]
     y_ptrs = y_ptr + rows64[None, :] * stride_ym + offs_n[:, None] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
-    if K1_PROGRAMS:
+    if K1_PROGRAMS and K1_THREADS:
         last = (lane == 0) & (passed == k1_consumers - 1)
         tl.atomic_xchg(k1_sync_ptr + lane, 0, mask=last, sem="relaxed", scope="gpu")
         tl.atomic_xchg(k1_sync_ptr + 1 + lane, 0, mask=last, sem="relaxed", scope="gpu")
@@ -866,8 +797,8 @@ K1_IN_K2_MIN_STAGES = 3
 # registers per thread of K2's grids with K1's programs, at most, by mode and where the epilogue's operands are
 # loaded (PREFETCH_EPI: 0 in the epilogue, 1 before the main loop, 2 after it, 3 split); tests/kernel/
 # test_compile_sm90.py holds the compiled decode grids to these; what _one_wave counts against the SM's 64K
-K1_IN_K2_REGS = {("w8a8", 0): 128, ("w8a8", 1): 144, ("w8a8", 2): 144, ("w8a8", 3): 144, ("w8a8", 4): 144,
-                 ("w8a16", 0): 168, ("w8a16", 1): 232, ("w8a16", 2): 176, ("w8a16", 3): 176, ("w8a16", 4): 224}
+K1_IN_K2_REGS = {("w8a8", 0): 128, ("w8a8", 1): 144, ("w8a8", 2): 144, ("w8a8", 3): 144,
+                 ("w8a16", 0): 168, ("w8a16", 1): 232, ("w8a16", 2): 176, ("w8a16", 3): 176}
 
 
 def _one_wave(cfg: GemmConfig, mode: str, rank: int, programs: int, prefetch: int, device) -> GemmConfig:
@@ -1052,7 +983,7 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
     if shrink is not None and config is None and knobs().k1_in_k2_one_wave in ("on", mode):
         cfg = _one_wave(cfg, mode, r, programs + shrink.programs, variant["PREFETCH_EPI"], x.device)
     k1_args, k1_consts = _k1_block(shrink, programs if cfg.split_k == 1 or dist_red else m_tiles * n_tiles,
-                                   cfg.num_warps, dummy)
+                                   32 * cfg.num_warps if mode == "w8a16" else 0, dummy)
     launch(_lora_gemm_kernel, (programs + (shrink.programs if shrink is not None else 0),),
            w_arg, x_arg, out, w_scale if w_scale is not None else dummy, x_scale if x_scale is not None else dummy, q,
            h if has_lora else dummy, *b_ptrs, slot_t, perm_t, g if g is not None else dummy,
@@ -1077,13 +1008,13 @@ def lora_gemm_triton(x, q, w_scale, *, x_scale=None, h=None, B=None, meta: LoRAM
 
 # K2's K1 constexprs when its grid runs no K1 programs
 _NO_K1 = dict(K1_PROGRAMS=False, K1_BLOCK_M=16, K1_BLOCK_R=16, K1_BLOCK_K=16, K1_SPLIT_K=1, K1_EVEN_K=True,
-              K1_RED_UNROLL=False, K1_BR_BLOCK=16, K1_MASK_ROWS=False, K1_STAGES=1, K1_THREADS=32)
+              K1_RED_UNROLL=False, K1_BR_BLOCK=16, K1_MASK_ROWS=False, K1_STAGES=1, K1_THREADS=0)
 
 
-def _k1_block(shrink: ShrinkPrograms | None, consumers: int, num_warps: int, dummy) -> tuple[tuple, dict]:
+def _k1_block(shrink: ShrinkPrograms | None, consumers: int, late_count_threads: int, dummy) -> tuple[tuple, dict]:
     """K2's K1 arguments (pointers, counts, strides) and constexprs: the shrink programs' or placeholders.
-    `consumers`: how many GEMM programs reach the epilogue (the last of them resets the counters); `num_warps`:
-    K2's (K1_THREADS)."""
+    `consumers`: how many GEMM programs reach the epilogue (the last of them resets the counters);
+    `late_count_threads`: K1_THREADS (0: the count past the wait at once; K2's threads: read at the end)."""
     if shrink is None:          # the kernel's 11 k1_* pointers and 8 k1_* counts/strides, unused
         return (dummy,) * 11 + (0,) * 8, _NO_K1
     dispatch.record(f"{OP}.k1", "in_k2")
@@ -1091,7 +1022,7 @@ def _k1_block(shrink: ShrinkPrograms | None, consumers: int, num_warps: int, dum
     x = shrink.x
     args = (x, *shrink.a3, shrink.ws, shrink.cnt, *shrink.segments, sync, shrink.m_tiles, shrink.programs,
             consumers, x.stride(0), x.stride(1), *shrink.a3[0].stride())
-    return args, dict(shrink.consts, K1_PROGRAMS=True, K1_THREADS=32 * num_warps)
+    return args, dict(shrink.consts, K1_PROGRAMS=True, K1_THREADS=late_count_threads)
 
 
 def _check_shrink(shrink: ShrinkPrograms, h, has_lora, quantize_x) -> None:

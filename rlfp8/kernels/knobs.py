@@ -21,7 +21,7 @@ K1_DECODE_RANK_BLOCKS = (0, 16, 32, 64)
 K1_IN_K2 = ("off", "w8a8", "on")
 K1_IN_K2_ONE_WAVE = ("off", "w8a16", "on")
 K1_DECODE_SPLIT_MAX = (8, 16)
-K2_PREFETCH_EPILOGUE = ("off", "before_loop", "after_loop", "split", "mid_loop")
+K2_PREFETCH_EPILOGUE = ("off", "before_loop", "after_loop", "split")
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,8 @@ class KernelKnobs:
     # across it (the held B tile costs registers: W8A16's gate_up 4 instead of 6 programs per SM; the H100 measured
     # no layer faster, bench/README.md session 20); "after_loop" = right after the main loop, before the split-K
     # exchange and the wait for h, so their round trips overlap those; "split" = scales and slots before the main
-    # loop, the B tile after it (the default: the fastest place, bench/README.md session 22); "mid_loop" = scales and
-    # slots before the main loop and, with K1's programs in K2's grid, one poll of their counter a few iterations
-    # before the loop's end, then the B tile and h inside the loop (h only if K1 was done; else the epilogue waits
-    # and loads it), so the epilogue starts with both in registers. Same bits; dispatch records
-    # "lora_gemm.prefetch_epilogue" = the place
+    # loop, the B tile after it (the default: the fastest place, bench/README.md session 22). Same bits; dispatch
+    # records "lora_gemm.prefetch_epilogue" = the place
     k2_prefetch_epilogue: str = "split"
     # W8A16 widening of e4m3 tiles: "bits" = each config's PTX widening (GemmConfig.widen), "cvt" = Triton's
     # .to(bf16) everywhere (same bits)
@@ -101,10 +98,10 @@ class KernelKnobs:
     # K1 in K2's grid: where K1's programs push the grid past what the GPU holds at once (each takes a GEMM program's
     # shared memory and registers), K2's pipeline gets fewer stages (down to 3) until the whole grid is resident in
     # one wave, so no GEMM program waits for a K1 program to leave its SM (W8A16's down projection with one adapter
-    # 47.8 -> 35.7 us on the H100). "w8a16" = for W8A16 calls (W8A8 measured
-    # no faster with it), "on" = both modes, "off" = the config as chosen. Same bits (stages do not change the
-    # sums); dispatch records "lora_gemm.k1_wave" = one | fewer_stages | two
-    k1_in_k2_one_wave: str = "w8a16"
+    # 47.8 -> 35.7 us on the H100). "on" = both modes (W8A8's layer with one adapter 0.7-0.9% faster at 1 to 4
+    # tokens, bench/README.md session 23), "w8a16" = W8A16 calls only, "off" = the config as chosen. Same bits
+    # (stages do not change the sums); dispatch records "lora_gemm.k1_wave" = one | fewer_stages | two
+    k1_in_k2_one_wave: str = "on"
     # W8A8's K1 split-K cap at decode sizes (<= 16 tokens; W8A8 with batch_invariant=on excepted): 16 gives the
     # down projection (K = 12288) 16 programs of 768 K instead of 8 of 1,536 (the W8A8 layer with one adapter
     # ~1.5% faster on the H100, bench/README.md session 19); lowered where the tile's sum of partials would not

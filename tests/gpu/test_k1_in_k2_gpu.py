@@ -29,7 +29,7 @@ SHAPES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4
           "down": (12288, (4096,))}
 MS = (1, 4, 16, 64)
 PREFETCH_MS = (1, 4, 16)                    # knob k2_prefetch_epilogue: K2 at <= 16 tokens
-PREFETCH_PLACES = ("before_loop", "after_loop", "split", "mid_loop")
+PREFETCH_PLACES = ("before_loop", "after_loop", "split")
 DIST_RED_SPLIT = GemmConfig(64, 32, 128, 2, 8, 4, 3)    # 16 tokens per program: the distributed split-K sum
 MODES = ("w8a16", "w8a8")
 DEV = "cuda"

@@ -210,7 +210,7 @@ def _prefetch_epilogue_launches(r: int = 64) -> None:
     the H200's decode configs (the tuned table's; W8A16 also the batch-invariant one, its engine default), one
     adapter through metadata (the per-slot epilogue), W8A8 (the quantizer's codes) and W8A16, K1's programs in the
     grid and K2 as K1's programmatic dependent."""
-    for where in ("before_loop", "after_loop", "split", "mid_loop"):
+    for where in ("before_loop", "after_loop", "split"):
         saved = set_knobs(k2_prefetch_epilogue=where)
         try:
             _prefetch_epilogue_place(r)

@@ -289,7 +289,7 @@ def test_prefetched_epilogues_compile_without_spills(compiled):
     pre = [r for r in k2 if r["constexprs"]["PREFETCH_EPI"]]
     spilled = [(r["constexprs"], r["regs"], r["stack"]) for r in pre if r["stack"] != 0]
     assert len(pre) >= 3 * 48 and not spilled, spilled
-    assert {r["constexprs"]["PREFETCH_EPI"] for r in pre} == {1, 2, 3, 4}
+    assert {r["constexprs"]["PREFETCH_EPI"] for r in pre} == {1, 2, 3}
     one_adapter = [r["constexprs"] for r in pre if r["constexprs"]["HAS_LORA"] and not r["constexprs"]["ALL_SLOT0"]
                    and not r["constexprs"]["PIPE_SLOTS"] and r["constexprs"]["BLOCK_R"] == 64]
     assert {c["N_SLICES"] for c in one_adapter} == {1, 2, 3}

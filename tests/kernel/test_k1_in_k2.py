@@ -61,7 +61,7 @@ def test_one_launch_the_token_limits_and_the_modes():
     for W8A16, or with k1_in_k2=off, K1 launches alone."""
     x, q, sw, A, B, slots, meta = _problem(K=1024)
     kn = knobs.knobs()
-    assert (kn.k1_in_k2, kn.k1_in_k2_tokens, kn.k1_in_k2_w8a16_tokens, kn.k1_in_k2_one_wave) == ("on", 64, 16, "w8a16")
+    assert (kn.k1_in_k2, kn.k1_in_k2_tokens, kn.k1_in_k2_w8a16_tokens, kn.k1_in_k2_one_wave) == ("on", 64, 16, "on")
 
     def kernels(mode):
         with dispatch.use_backend("triton"), tu.collect_launches() as launches:

@@ -399,7 +399,7 @@ def _prefetch_problem(M, widths, slots, mode, device, r=16, K=64, S=3):
     return dict(x=x, q=q, sw=sw, A=A, B=B, slots=slot_t, meta=build_lora_meta(slot_t, S))
 
 
-PREFETCH_PLACES = ("before_loop", "after_loop", "split", "mid_loop")
+PREFETCH_PLACES = ("before_loop", "after_loop", "split")
 
 
 def _k2_prefetch(where, p, mode, cfg, k1_in_k2=False, g=None):
@@ -448,31 +448,6 @@ def test_prefetched_epilogue_gives_the_same_bits(mode, M, slices, slots, device,
         assert rel_err(y_off, ref) < 1e-5
 
 
-@pytest.mark.parametrize("slots", list(PREFETCH_SLOTS))
-@pytest.mark.parametrize("slices", list(PREFETCH_SLICES))
-@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
-def test_mid_loop_epilogue_gives_the_same_bits(mode, slices, slots, device, monkeypatch):
-    """k2_prefetch_epilogue=mid_loop with K1's programs in the grid: a main loop of more than MID_LEAD iterations
-    (K = 192 in 32-wide chunks: 6, or 3 per split) polls K1's counter and loads h and the first B tile inside the
-    loop (under the interpreter K1's programs always end first, so the loop's h is the one the epilogue takes); the
-    bits of the epilogue's own loads (place off), one and two splits, with and without metadata (one slot, two
-    slots, the slot pipeline at three), slices straddling tiles (the loop loads the first slice's h, the loop in
-    the epilogue the second's). K = 64 (2 or 1 iterations, the epilogue's own wait and loads) is
-    test_prefetched_epilogue_gives_the_same_bits's."""
-    from rlfp8.kernels import gemm_triton
-    for pipe in (False, True):
-        monkeypatch.setattr(gemm_triton, "_PIPE_SLOTS_OVERRIDE", pipe)
-        p = _prefetch_problem(4, PREFETCH_SLICES[slices], PREFETCH_SLOTS[slots], mode, device, K=192)
-        for split in (1, 2):
-            cfg = GemmConfig(32, 16, 32, split, 1, 4, 2, swap_ab=split == 1)
-            y_off, h_off, xq, xs, _ = _k2_prefetch("off", p, mode, cfg, k1_in_k2=True)
-            y_mid, h, _, _, path = _k2_prefetch("mid_loop", p, mode, cfg, k1_in_k2=True)
-            assert path == {"mid_loop": 1}
-            assert torch.equal(h, h_off) and torch.equal(y_mid, y_off), (pipe, split)
-        ref = gemm_fp64(xq, p["q"], p["sw"], x_scale=xs, h=h_off, B=p["B"], slots=p["slots"])
-        assert rel_err(y_off, ref) < 1e-5
-
-
 @pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
 def test_prefetched_epilogue_beside_the_unchanged_epilogues(mode, device):
     """The epilogues whose B loads stay after the main loop (the slot pipeline at three adapters, rank chunks above
@@ -491,7 +466,7 @@ def test_prefetched_epilogue_beside_the_unchanged_epilogues(mode, device):
 
 
 def test_prefetch_epilogue_only_at_decode_sizes_and_by_the_knob(device):
-    """PREFETCH_EPI at <= 16 tokens where the knob places it (1 before the main loop, 2 after, 3 split, 4 mid_loop; dispatch
+    """PREFETCH_EPI at <= 16 tokens where the knob places it (1 before the main loop, 2 after, 3 split; dispatch
     "lora_gemm.prefetch_epilogue" = the place); 0 with the knob off (= off) or B slices of two dtypes (the first tile
     is picked among the slices at run time; = off); above 16 tokens never, and nothing recorded. A place the knob
     does not know is refused, naming the knob and its values."""
@@ -520,7 +495,6 @@ def test_prefetch_epilogue_only_at_decode_sizes_and_by_the_knob(device):
     assert launched(16) == (1, {"before_loop": 1})
     assert launched(16, on="after_loop") == (2, {"after_loop": 1})
     assert launched(1, on="split") == (3, {"split": 1})
-    assert launched(4, on="mid_loop") == (4, {"mid_loop": 1})
     assert launched(16, on="off") == (0, {"off": 1})
     assert launched(3, b_dtypes=(torch.bfloat16, torch.float32)) == (0, {"off": 1})
     assert launched(17) == (0, None)
