@@ -26,10 +26,11 @@ projection, both engine modes, the arms replayed in turn (L2 flushed before each
 
 First the layer as issue 15 reads it: the four projections through fp8_lora_linear with the default decode path
 (quantizer, K1 in K2's grid, PDL), for each place of k2_prefetch_epilogue ("layer" rows: base, off, before_loop,
-after_loop, split). Then per (mode, projection) every arm's µs, and the derived costs: epilogue = lora - base,
-K1 in the grid = grid - lora, the other placement of the count past the wait = grid_countswap_split - grid_split;
-per mode the four projections summed ("layer", K2 only). Outputs are checked against the package's lora arm (same
-bits where the arm keeps the arithmetic).
+after_loop, split) and at place split with the countswap copy and with k1_in_k2_one_wave = w8a16. Then per
+(mode, projection) every arm's µs, and the derived costs: epilogue = lora - base, K1 in the grid = grid - lora, the
+other placement of the count past the wait = grid_countswap_split - grid_split; per mode the four projections
+summed ("layer", K2 only). Outputs are checked against the package's lora arm (same bits where the arm keeps the
+arithmetic).
 
     python bench/lab/explore_decode_epilogue.py --check-edits          # CPU: the copy's edit applies
     python bench/lab/explore_decode_epilogue.py --out bench/results/explore_decode_epilogue_h200.json   # ~2 min
@@ -52,9 +53,12 @@ import torch  # noqa: E402
 
 from pdl_timeline import MODES, MS, problems as layer_problems  # noqa: E402  (the layer bench/pdl_timeline.py times)
 
+from rlfp8.kernels.knobs import K2_PREFETCH_EPILOGUE  # noqa: E402
+
 SRC = ROOT / "rlfp8" / "kernels" / "gemm_triton.py"
 VARIANTS = ("nowait", "countswap")
-PLACES = ("before_loop", "after_loop", "split")
+KNOB_ARMS = {"wave16": dict(k1_in_k2_one_wave="w8a16"), "rb32": dict(k1_decode_rank_block=32)}
+PLACES = K2_PREFETCH_EPILOGUE[1:]       # every place but off
 SAME_BITS = ({f"{k}_{p}": "lora" for k in ("lora", "grid") for p in PLACES} | {"grid": "lora"}
              | {"grid_wave16": "lora", "grid_rb32": "lora", "grid_countswap_split": "lora"})
 
@@ -132,7 +136,6 @@ def arm_fn(p, mode, arm, mods):
     return fn
 
 
-KNOB_ARMS = {"wave16": dict(k1_in_k2_one_wave="w8a16"), "rb32": dict(k1_decode_rank_block=32)}
 ARMS = (("base", "lora", "lora_bf16") + tuple(f"lora_{p}" for p in PLACES) + ("grid",)
         + tuple(f"grid_{p}" for p in PLACES) + ("grid_countswap_split", "grid_nowait", "grid_nowait_before_loop",
                                                 "grid_nowait_split")

@@ -802,7 +802,7 @@ K1_IN_K2_REGS = {("w8a8", 0): 128, ("w8a8", 1): 144, ("w8a8", 2): 144, ("w8a8", 
 
 
 def _one_wave(cfg: GemmConfig, mode: str, rank: int, programs: int, prefetch: int, device) -> GemmConfig:
-    """K1 in K2's grid (knob k1_in_k2_one_wave, W8A16 by default): cfg with fewer pipeline stages (not below
+    """K1 in K2's grid (knob k1_in_k2_one_wave, both modes by default): cfg with fewer pipeline stages (not below
     K1_IN_K2_MIN_STAGES) where its `programs` (GEMM + K1) would not all be resident at once. K1's programs hold a
     GEMM program's shared memory each, and a GEMM program left out of the first wave starts only when one of them
     ends, K1's latency then lying on the GEMM's critical path. Stages only deepen the pipeline: the sums are the

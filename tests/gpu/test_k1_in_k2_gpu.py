@@ -18,7 +18,7 @@ from rlfp8.kernels import _triton_utils as tu
 from rlfp8.kernels import dispatch, fp8
 from rlfp8.kernels.gemm_configs import GemmConfig
 from rlfp8.kernels.gemm_triton import lora_gemm_triton
-from rlfp8.kernels.knobs import restore_knobs, set_knobs
+from rlfp8.kernels.knobs import K2_PREFETCH_EPILOGUE, restore_knobs, set_knobs
 from rlfp8.kernels.metadata import build_lora_meta
 from rlfp8.kernels.shrink_ref import lora_shrink_ref
 from tests.gpu.test_pdl_gpu import projection_with, require_sm90
@@ -29,7 +29,7 @@ SHAPES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4
           "down": (12288, (4096,))}
 MS = (1, 4, 16, 64)
 PREFETCH_MS = (1, 4, 16)                    # knob k2_prefetch_epilogue: K2 at <= 16 tokens
-PREFETCH_PLACES = ("before_loop", "after_loop", "split")
+PREFETCH_PLACES = K2_PREFETCH_EPILOGUE[1:]     # every place but off
 DIST_RED_SPLIT = GemmConfig(64, 32, 128, 2, 8, 4, 3)    # 16 tokens per program: the distributed split-K sum
 MODES = ("w8a16", "w8a8")
 DEV = "cuda"

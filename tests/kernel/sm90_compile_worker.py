@@ -30,7 +30,7 @@ from rlfp8.kernels.linear_triton import dy_prep_triton  # noqa: E402
 from rlfp8.kernels.gemm_configs import (GLUON_SCHEDULE, M_BUCKETS, GemmConfig, _measured_candidate,  # noqa: E402
                                         _tuned_table, gemm_config, invariant_gemm_config, reduction_schedule)
 from rlfp8.kernels.gemm_triton import lora_gemm_triton  # noqa: E402
-from rlfp8.kernels.knobs import restore_knobs, set_knobs  # noqa: E402
+from rlfp8.kernels.knobs import K2_PREFETCH_EPILOGUE, restore_knobs, set_knobs  # noqa: E402
 from rlfp8.kernels.shrink_triton import lora_shrink_triton, shrink_programs  # noqa: E402
 from rlfp8.kernels.metadata import build_lora_meta  # noqa: E402
 
@@ -210,7 +210,7 @@ def _prefetch_epilogue_launches(r: int = 64) -> None:
     the H200's decode configs (the tuned table's; W8A16 also the batch-invariant one, its engine default), one
     adapter through metadata (the per-slot epilogue), W8A8 (the quantizer's codes) and W8A16, K1's programs in the
     grid and K2 as K1's programmatic dependent."""
-    for where in ("before_loop", "after_loop", "split"):
+    for where in K2_PREFETCH_EPILOGUE[1:]:
         saved = set_knobs(k2_prefetch_epilogue=where)
         try:
             _prefetch_epilogue_place(r)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rlfp8.kernels import dispatch, fp8
+from rlfp8.kernels.knobs import K2_PREFETCH_EPILOGUE
 from rlfp8.kernels.gemm import lora_gemm
 from rlfp8.kernels.gemm_configs import GemmConfig, gemm_config
 from rlfp8.kernels.gemm_ref import lora_gemm_ref
@@ -399,7 +400,7 @@ def _prefetch_problem(M, widths, slots, mode, device, r=16, K=64, S=3):
     return dict(x=x, q=q, sw=sw, A=A, B=B, slots=slot_t, meta=build_lora_meta(slot_t, S))
 
 
-PREFETCH_PLACES = ("before_loop", "after_loop", "split")
+PREFETCH_PLACES = K2_PREFETCH_EPILOGUE[1:]     # every place but off
 
 
 def _k2_prefetch(where, p, mode, cfg, k1_in_k2=False, g=None):
