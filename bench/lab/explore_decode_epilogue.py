@@ -11,8 +11,7 @@ projection, both engine modes, the arms replayed in turn (L2 flushed before each
     lora_bf16    ... with lora_precision="bf16" (one 16-bit MMA instead of two: what the second MMA costs)
     lora_<place> ... knob k2_prefetch_epilogue = before_loop (the epilogue's operands K1 does not write loaded
                  before the main loop, held across it), after_loop (right after it, before the split-K exchange and
-                 the wait for h), split (scales and slots before, the B tile after), split_l2 (split, the B
-                 tile also asked into L2 before the main loop)
+                 the wait for h), split (scales and slots before, the B tile after)
     grid         K1's programs first in K2's grid, the epilogue waiting on their counter (the default decode path)
     grid_<place> ... with k2_prefetch_epilogue = place
     grid_countswap_split  a copy of the kernel counting itself past K1's wait the other way than the mode's default
@@ -27,7 +26,7 @@ projection, both engine modes, the arms replayed in turn (L2 flushed before each
 
 First the layer as issue 15 reads it: the four projections through fp8_lora_linear with the default decode path
 (quantizer, K1 in K2's grid, PDL), for each place of k2_prefetch_epilogue ("layer" rows: base, off, before_loop,
-after_loop, split, split_l2) and at place split with the countswap copy and with k1_in_k2_one_wave = w8a16. Then per
+after_loop, split) and at place split with the countswap copy and with k1_in_k2_one_wave = w8a16. Then per
 (mode, projection) every arm's µs, and the derived costs: epilogue = lora - base, K1 in the grid = grid - lora, the
 other placement of the count past the wait = grid_countswap_split - grid_split; per mode the four projections
 summed ("layer", K2 only). Outputs are checked against the package's lora arm (same bits where the arm keeps the

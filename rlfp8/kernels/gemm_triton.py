@@ -252,11 +252,13 @@ def _epilogue_row_operands(sw_ptr, sx_ptr, slot_ptr, n_ld, rows64, m_ok, SCALE_W
 
 
 @triton.jit
-def _first_b_rows(b0_ptr, b1_ptr, b2_ptr, slots, offs_n, pid_n, N, end0, end1, stride_bs0, stride_bs1, stride_bs2,
-                  BLOCK_N: tl.constexpr, N_SLICES: tl.constexpr, ALL_SLOT0: tl.constexpr):
-    """Where PREFETCH_EPI's B tile lies: (the first slot's row pointer into the slice holding the tile's first
-    column, each tile column's row in that slice [BN] (0 outside it), the columns it holds [BN], the slice, the
-    first slot)."""
+def _first_b_tile(b0_ptr, b1_ptr, b2_ptr, slots, offs_n, pid_n, N, R, end0, end1, stride_bs0, stride_bs1, stride_bs2,
+                  stride_bn, stride_br, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SLICES: tl.constexpr,
+                  ALL_SLOT0: tl.constexpr):
+    """PREFETCH_EPI's B tile: (the tile [BN, BR], the slice holding the tile's first column, the first slot). The
+    elements the slice loop loads for that slice and the first slot (a tile straddling two slices loads the second
+    one's in the loop). The slot's offset goes into the row pointer and its "none" into the column mask, so that no
+    [BN, BR] pointer or mask is shared with the epilogue's (held across the main loop, it cost registers)."""
     tile_lo = pid_n * BLOCK_N
     first_slice = 0
     first_slot = 0
@@ -271,6 +273,7 @@ def _first_b_rows(b0_ptr, b1_ptr, b2_ptr, slots, offs_n, pid_n, N, end0, end1, s
         first_hi = tl.where(first_slice == 0, end0, tl.where(first_slice == 1, end1, N))
         first_b = tl.where(first_slice == 0, b0_ptr, tl.where(first_slice == 1, b1_ptr, b2_ptr))
         first_bs = tl.where(first_slice == 0, stride_bs0, tl.where(first_slice == 1, stride_bs1, stride_bs2))
+    offs_r = tl.arange(0, BLOCK_R)
     if ALL_SLOT0:
         first_row = first_b
         first_cols = (offs_n >= first_lo) & (offs_n < first_hi)
@@ -280,47 +283,15 @@ def _first_b_rows(b0_ptr, b1_ptr, b2_ptr, slots, offs_n, pid_n, N, end0, end1, s
         first_row = first_b + tl.where(first_slot < _BIG, first_slot, 0).to(tl.int64) * first_bs
         first_cols = (offs_n >= first_lo) & (offs_n < first_hi) & (first_slot < _BIG)
     first_col = tl.where(first_cols, offs_n - first_lo, 0).to(tl.int64)
-    return first_row, first_col, first_cols, first_slice, first_slot
-
-
-@triton.jit
-def _first_b_tile(b0_ptr, b1_ptr, b2_ptr, slots, offs_n, pid_n, N, R, end0, end1, stride_bs0, stride_bs1, stride_bs2,
-                  stride_bn, stride_br, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_SLICES: tl.constexpr,
-                  ALL_SLOT0: tl.constexpr):
-    """PREFETCH_EPI's B tile: (the tile [BN, BR], the slice holding the tile's first column, the first slot). The
-    elements the slice loop loads for that slice and the first slot (a tile straddling two slices loads the second
-    one's in the loop). The slot's offset goes into the row pointer and its "none" into the column mask, so that no
-    [BN, BR] pointer or mask is shared with the epilogue's (held across the main loop, it cost registers)."""
-    first_row, first_col, first_cols, first_slice, first_slot = _first_b_rows(
-        b0_ptr, b1_ptr, b2_ptr, slots, offs_n, pid_n, N, end0, end1, stride_bs0, stride_bs1, stride_bs2, BLOCK_N,
-        N_SLICES, ALL_SLOT0)
-    offs_r = tl.arange(0, BLOCK_R)
     bt_first = tl.load(first_row + first_col[:, None] * stride_bn + offs_r[None, :] * stride_br,
                        mask=first_cols[:, None] & (offs_r < R)[None, :], other=0.0)
     return bt_first, first_slice, first_slot
 
 
-@triton.jit
-def _prefetch_b_tile_l2(b0_ptr, b1_ptr, b2_ptr, slots, offs_n, pid_n, N, end0, end1, stride_bs0, stride_bs1,
-                        stride_bs2, stride_bn, BLOCK_N: tl.constexpr, N_SLICES: tl.constexpr,
-                        ALL_SLOT0: tl.constexpr, B_ROW_BYTES: tl.constexpr):
-    """Place split_l2: cp.async.bulk.prefetch.L2 of the rows of _first_b_tile's tile (B_ROW_BYTES each: the host
-    checks rows of 16-byte multiples, contiguous and aligned), so that its loads after the main loop hit L2. A hint:
-    columns outside the slice ask for its row 0 again, nothing is read into registers, the bits cannot change."""
-    first_row, first_col, first_cols, first_slice, first_slot = _first_b_rows(
-        b0_ptr, b1_ptr, b2_ptr, slots, offs_n, pid_n, N, end0, end1, stride_bs0, stride_bs1, stride_bs2, BLOCK_N,
-        N_SLICES, ALL_SLOT0)
-    rows = (first_row + first_col * stride_bn).to(tl.int64, bitcast=True)
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;", "=r,l,r",
-                              [rows, tl.zeros_like(offs_n) + B_ROW_BYTES], dtype=tl.int32, is_pure=False, pack=1)
-
-
 # calls of at most this many tokens (decode) load the epilogue's operands that K1 does not write ahead of the
 # epilogue (knob k2_prefetch_epilogue: where)
 PREFETCH_EPI_TOKENS = 16
-# the kernel's PREFETCH_EPI by place (split_l2 is split with the B tile's L2 prefetch: B_L2)
-PREFETCH_EPI_CODES = {"off": 0, "before_loop": 1, "after_loop": 2, "split": 3, "split_l2": 3}
-assert set(PREFETCH_EPI_CODES) == set(K2_PREFETCH_EPILOGUE)
+PREFETCH_EPI_CODES = {place: code for code, place in enumerate(K2_PREFETCH_EPILOGUE)}   # the kernel's PREFETCH_EPI
 _PIPE_SLOTS_OVERRIDE: bool | None = None     # tests only: force the multi-adapter epilogue variant on or off
 _BIG = tl.constexpr(1 << 30)    # "no more slots" sentinel (kernels may only read constexpr globals)
 
@@ -372,8 +343,6 @@ def _lora_gemm_kernel(
                                 # program quantizes its x tiles per token itself (fp8_triton's arithmetic)
     PREFETCH_EPI: tl.constexpr, # decode (knob k2_prefetch_epilogue): the epilogue's operands that K1 does not write
                                 # are loaded ahead: 1 before the main loop, 2 after it, 3 split (see there)
-    B_L2: tl.constexpr,         # place split_l2 (PREFETCH_EPI 3): bytes of each B row asked into L2 before the main
-                                # loop (0 = none)
     K1_PROGRAMS: tl.constexpr,  # the grid's first k1_programs programs are K1's shrink (knob k1_in_k2): the GEMM's
                                 # programs wait on K1's counter k1_sync_ptr[0] before the epilogue
     K1_BLOCK_M: tl.constexpr, K1_BLOCK_R: tl.constexpr, K1_BLOCK_K: tl.constexpr, K1_SPLIT_K: tl.constexpr,
@@ -445,16 +414,13 @@ def _lora_gemm_kernel(
     # in the one-chunk epilogues (rank <= 64) without the slot pipeline. Where (knob k2_prefetch_epilogue): 1 all
     # before the main loop, held in registers across it; 2 all right after it, before the split-K exchange and the
     # wait for h (their round trips overlap those, nothing is held across the loop); 3 the scales and slots before,
-    # the B tile after (split_l2, B_L2: the B tile also asked into L2 before the loop, so its loads after it hit L2)
+    # the B tile after
     PREFETCH_ROWS: tl.constexpr = PREFETCH_EPI != 0 and not (SPLIT_K > 1 and DIST_RED)
     PREFETCH_B: tl.constexpr = (PREFETCH_EPI != 0 and HAS_LORA and _rank_chunk(BLOCK_R) == BLOCK_R
                                 and (ALL_SLOT0 or (PREFETCH_ROWS and not PIPE_SLOTS)))
     if PREFETCH_EPI == 1 or PREFETCH_EPI == 3:
         sw, sx, slots = _epilogue_row_operands(sw_ptr, sx_ptr, slot_ptr, n_ld, rows64, m_ok, SCALE_W, HAS_XS,
                                                QUANT_X, HAS_LORA, ALL_SLOT0, PREFETCH_ROWS)
-    if PREFETCH_B and B_L2 > 0:
-        _prefetch_b_tile_l2(b0_ptr, b1_ptr, b2_ptr, slots, offs_n, pid_n, N, end0, end1, stride_bs0, stride_bs1,
-                            stride_bs2, stride_bn, BLOCK_N, N_SLICES, ALL_SLOT0, B_L2)
     if PREFETCH_B and PREFETCH_EPI == 1:
         bt_first, first_slice, first_slot = _first_b_tile(b0_ptr, b1_ptr, b2_ptr, slots, offs_n, pid_n, N, R, end0,
                                                           end1, stride_bs0, stride_bs1, stride_bs2, stride_bn,
@@ -928,7 +894,7 @@ def _pdl_wait_early(mode, use_pdl, q, K, x_from_primary=True):
 def _variant_flags(cfg, mode, x, meta, slices, has_lora, dist_red, x_tma) -> dict:
     """The host-chosen kernel variants: slot pipeline, unrolled split-K sum, widening, SYNC_A, FP8_ACC, masked x
     rows, the epilogue's loads ahead of it (dispatch records "lora_gemm.prefetch_epilogue" = off | before_loop |
-    after_loop | split | split_l2 at decode sizes)."""
+    after_loop | split at decode sizes)."""
     kn = knobs()
     interpreting = dispatch.triton_interpreting()
     # the slot-pipelined epilogue pays off with several adapters per tile; at 256-token tiles it would spill
@@ -944,9 +910,6 @@ def _variant_flags(cfg, mode, x, meta, slices, has_lora, dist_red, x_tma) -> dic
     decode = x.shape[0] <= PREFETCH_EPI_TOKENS
     where = kn.k2_prefetch_epilogue if decode and (not has_lora or len({b.dtype for b in slices}) == 1) else "off"
     prefetch_epi = PREFETCH_EPI_CODES[where]
-    b_l2 = _b_l2_row_bytes(slices) if where == "split_l2" and has_lora and not interpreting else 0
-    if where == "split_l2" and not b_l2:
-        where = "split"             # the interpreter runs no inline PTX; B rows the bulk prefetch cannot take
     if decode:
         dispatch.record(f"{OP}.prefetch_epilogue", where)
     widen_asm = 0
@@ -956,17 +919,7 @@ def _variant_flags(cfg, mode, x, meta, slices, has_lora, dist_red, x_tma) -> dic
                 SYNC_A=kn.k2_sync_a and mode == "w8a16" and cfg.swap_ab and not interpreting,
                 FP8_ACC=None if kn.fp8_precise_acc is None else min(kn.fp8_precise_acc, cfg.block_k),
                 MASK_ROWS=kn.k2_mask_x_rows and not x_tma and x.shape[0] < cfg.block_m,
-                PREFETCH_EPI=prefetch_epi, B_L2=b_l2)
-
-
-def _b_l2_row_bytes(slices) -> int:
-    """Place split_l2: the bytes of each B row [r] that K2 asks into L2 before its main loop, or 0 where
-    cp.async.bulk.prefetch.L2 cannot take the rows (16-byte multiples at 16-byte aligned addresses, contiguous)."""
-    el = slices[0].element_size()
-    row_bytes = slices[0].shape[2] * el
-    aligned = all(b.stride(2) == 1 and b.data_ptr() % 16 == 0 and all(st * el % 16 == 0 for st in b.stride()[:2])
-                  for b in slices)
-    return row_bytes if aligned and row_bytes % 16 == 0 else 0
+                PREFETCH_EPI=prefetch_epi)
 
 
 def _gluon_mainloop(x, q, w_scale, h, B, slices, has_lora, gather, g, bias, lora_precision, use_pdl, out):

@@ -21,7 +21,7 @@ K1_DECODE_RANK_BLOCKS = (0, 16, 32, 64)
 K1_IN_K2 = ("off", "w8a8", "on")
 K1_IN_K2_ONE_WAVE = ("off", "w8a16", "on")
 K1_DECODE_SPLIT_MAX = (8, 16)
-K2_PREFETCH_EPILOGUE = ("off", "before_loop", "after_loop", "split", "split_l2")
+K2_PREFETCH_EPILOGUE = ("off", "before_loop", "after_loop", "split")
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,8 @@ class KernelKnobs:
     # across it (the held B tile costs registers: W8A16's gate_up 4 instead of 6 programs per SM; the H100 measured
     # no layer faster, bench/README.md session 20); "after_loop" = right after the main loop, before the split-K
     # exchange and the wait for h, so their round trips overlap those; "split" = scales and slots before the main
-    # loop, the B tile after it (the default: the fastest place, bench/README.md session 22); "split_l2" = split
-    # with the B tile's rows asked into L2 before the main loop (a hint; the interpreter, or B rows the bulk prefetch
-    # cannot take, run split). Same bits; dispatch records "lora_gemm.prefetch_epilogue" = the place that ran
+    # loop, the B tile after it (the default: the fastest place, bench/README.md session 22). Same bits; dispatch
+    # records "lora_gemm.prefetch_epilogue" = the place
     k2_prefetch_epilogue: str = "split"
     # W8A16 widening of e4m3 tiles: "bits" = each config's PTX widening (GemmConfig.widen), "cvt" = Triton's
     # .to(bf16) everywhere (same bits)

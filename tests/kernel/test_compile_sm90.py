@@ -189,11 +189,11 @@ def test_pdl_wait_point_present_only_when_asked(compiled):
     # the prefetch reads the codes' own pointer, so TMA tiles take it too (their rows are row-major and aligned)
     assert all(r["constexprs"]["PDL_WAIT_EARLY"] == 2 for r in early)
     assert any(r["constexprs"]["W_TMA"] for r in early)
-    assert all(not r["l2_prefetch"] for r in k2 if r not in early and not r["constexprs"]["B_L2"])
+    assert all(not r["l2_prefetch"] for r in k2 if r not in early)
     assert len([r for r in k2 if r["constexprs"]["HAS_XS"] and r not in early]) >= 2     # W8A8, x quantized apart
     others = [r for r in compiled if not r["constexprs"].get("USE_PDL")]
     assert not any(r["gdc_wait"] or r["gdc_launch"] or r["launch_pdl"] for r in others)
-    assert not any(r["l2_prefetch"] for r in others if r["name"] == "_lora_gemm_kernel" and not r["constexprs"]["B_L2"])
+    assert not any(r["l2_prefetch"] for r in others if r["name"] == "_lora_gemm_kernel")
     assert not any(r["globaltimer"] for r in compiled)
 
 
@@ -290,10 +290,6 @@ def test_prefetched_epilogues_compile_without_spills(compiled):
     spilled = [(r["constexprs"], r["regs"], r["stack"]) for r in pre if r["stack"] != 0]
     assert len(pre) >= 3 * 48 and not spilled, spilled
     assert {r["constexprs"]["PREFETCH_EPI"] for r in pre} == {1, 2, 3}
-    # place split_l2: split, the B tile's rows asked into L2 before the main loop (128-byte rows at rank 64)
-    b_l2 = [r for r in pre if r["constexprs"]["B_L2"]]
-    assert {r["constexprs"]["B_L2"] for r in b_l2} == {128} and len(b_l2) >= 48
-    assert all(r["constexprs"]["PREFETCH_EPI"] == 3 and r["l2_prefetch"] for r in b_l2)
     one_adapter = [r["constexprs"] for r in pre if r["constexprs"]["HAS_LORA"] and not r["constexprs"]["ALL_SLOT0"]
                    and not r["constexprs"]["PIPE_SLOTS"] and r["constexprs"]["BLOCK_R"] == 64]
     assert {c["N_SLICES"] for c in one_adapter} == {1, 2, 3}

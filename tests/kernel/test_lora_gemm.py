@@ -403,12 +403,6 @@ def _prefetch_problem(M, widths, slots, mode, device, r=16, K=64, S=3):
 PREFETCH_PLACES = K2_PREFETCH_EPILOGUE[1:]     # every place but off
 
 
-def _place_that_runs(where):
-    """split_l2 asks B into L2 with inline PTX, which the interpreter does not run: there it runs (and records)
-    split."""
-    return "split" if where == "split_l2" and dispatch.triton_interpreting() else where
-
-
 def _k2_prefetch(where, p, mode, cfg, k1_in_k2=False, g=None):
     """K2 (fp32 out) with the knob set to `where`; h from K1's programs in its grid (k1_in_k2) or from the torch
     shrink. Returns (y, the h it read, x codes, x scales, the dispatch record)."""
@@ -449,7 +443,7 @@ def test_prefetched_epilogue_gives_the_same_bits(mode, M, slices, slots, device,
         assert path_off == {"off": 1}
         for where in PREFETCH_PLACES:
             y_on, h, _, _, path_on = _k2_prefetch(where, p, mode, cfg, k1_in_k2)
-            assert path_on == {_place_that_runs(where): 1}
+            assert path_on == {where: 1}
             assert torch.equal(h, h_off) and torch.equal(y_on, y_off), (where, split, k1_in_k2)
         ref = gemm_fp64(xq, p["q"], p["sw"], x_scale=xs, h=h_off, B=p["B"], slots=p["slots"])
         assert rel_err(y_off, ref) < 1e-5
@@ -470,19 +464,6 @@ def test_prefetched_epilogue_beside_the_unchanged_epilogues(mode, device):
         ref = lora_gemm_ref(xq, p["q"], p["sw"], x_scale=xs, h=h, B=p["B"], meta=p["meta"], g=gv,
                             out_dtype=torch.float32)
         assert rel_err(y_off, ref) < 1e-5
-
-
-def test_b_l2_prefetch_takes_rows_the_bulk_prefetch_can():
-    """Place split_l2: the bytes per B row asked into L2 (rank x element size), or 0 (the place runs as split) where
-    cp.async.bulk.prefetch.L2 cannot take the rows: not 16-byte multiples, a strided rank, a misaligned base."""
-    from rlfp8.kernels.gemm_triton import _b_l2_row_bytes
-    B = [torch.zeros(2, 32, 64, dtype=torch.bfloat16), torch.zeros(2, 16, 64, dtype=torch.bfloat16)]
-    assert _b_l2_row_bytes(B) == 128
-    assert _b_l2_row_bytes([torch.zeros(2, 32, 64, dtype=torch.float32)]) == 256
-    assert _b_l2_row_bytes([torch.zeros(2, 32, 4, dtype=torch.bfloat16)]) == 0             # 8-byte rows
-    assert _b_l2_row_bytes([torch.zeros(2, 64, 32, dtype=torch.bfloat16).transpose(1, 2)]) == 0   # rank strided
-    assert _b_l2_row_bytes([B[0], torch.zeros(2 * 32 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 32, 64)]) == 0
-    assert _b_l2_row_bytes([torch.zeros(2, 32, 72, dtype=torch.bfloat16)[:, :, :64]]) == 128   # padded rows: aligned
 
 
 def test_prefetch_epilogue_only_at_decode_sizes_and_by_the_knob(device):
@@ -515,8 +496,6 @@ def test_prefetch_epilogue_only_at_decode_sizes_and_by_the_knob(device):
     assert launched(16) == (1, {"before_loop": 1})
     assert launched(16, on="after_loop") == (2, {"after_loop": 1})
     assert launched(1, on="split") == (3, {"split": 1})
-    # split_l2 is split plus the B tile's L2 prefetch (inline PTX): the interpreter runs split and says so
-    assert launched(1, on="split_l2") == (3, {"split": 1})
     assert launched(16, on="off") == (0, {"off": 1})
     assert launched(3, b_dtypes=(torch.bfloat16, torch.float32)) == (0, {"off": 1})
     assert launched(17) == (0, None)
