@@ -20,17 +20,22 @@ projection, both engine modes, the arms replayed in turn (L2 flushed before each
                  the wait costs
     grid_nowait_<place>  ... at place before_loop / split: the tail left when neither the wait nor the B tile's
                  load follows the main loop (what a wait without its own round trip could reach)
+    grid_k1pf_split  a copy of the kernel whose K1 programs, once done, ask the projection's B (the slot of token
+                 row 0, a share per program) into L2 with cp.async.bulk.prefetch.L2, at place split: whether the
+                 epilogue's B loads after the main loop gain from hitting L2 (the GEMM programs' own per-column
+                 prefetch delayed their main loop, session 24; Triton's pipelined cp.async loads drop eviction
+                 hints, so the weights streamed meanwhile may still push B out of L2)
     grid_wave16  K1 in the grid at place split with knob k1_in_k2_one_wave = w8a16 (the default before session 23:
                  W8A8 keeps its stages where K1's programs push the grid into a second wave)
     grid_rb32    ... with knob k1_decode_rank_block = 32 (twice K1's programs, each half the ranks)
 
 First the layer as issue 15 reads it: the four projections through fp8_lora_linear with the default decode path
 (quantizer, K1 in K2's grid, PDL), for each place of k2_prefetch_epilogue ("layer" rows: base, off, before_loop,
-after_loop, split) and at place split with the countswap copy and with k1_in_k2_one_wave = w8a16. Then per
-(mode, projection) every arm's µs, and the derived costs: epilogue = lora - base, K1 in the grid = grid - lora, the
-other placement of the count past the wait = grid_countswap_split - grid_split; per mode the four projections
-summed ("layer", K2 only). Outputs are checked against the package's lora arm (same bits where the arm keeps the
-arithmetic).
+after_loop, split) and at place split with the countswap copy, the k1pf copy and with k1_in_k2_one_wave = w8a16.
+Then per (mode, projection) every arm's µs, and the derived costs: epilogue = lora - base, K1 in the grid = grid -
+lora, the other placement of the count past the wait = grid_countswap_split - grid_split; per mode the four
+projections summed ("layer", K2 only). Outputs are checked against the package's lora arm (same bits where the arm
+keeps the arithmetic).
 
     python bench/lab/explore_decode_epilogue.py --check-edits          # CPU: the copy's edit applies
     python bench/lab/explore_decode_epilogue.py --out bench/results/explore_decode_epilogue_h200.json   # ~2 min
@@ -56,11 +61,12 @@ from pdl_timeline import MODES, MS, problems as layer_problems  # noqa: E402  (t
 from rlfp8.kernels.knobs import K2_PREFETCH_EPILOGUE  # noqa: E402
 
 SRC = ROOT / "rlfp8" / "kernels" / "gemm_triton.py"
-VARIANTS = ("nowait", "countswap")
+VARIANTS = ("nowait", "countswap", "k1pf")
 KNOB_ARMS = {"wave16": dict(k1_in_k2_one_wave="w8a16"), "rb32": dict(k1_decode_rank_block=32)}
 PLACES = K2_PREFETCH_EPILOGUE[1:]       # every place but off
 SAME_BITS = ({f"{k}_{p}": "lora" for k in ("lora", "grid") for p in PLACES} | {"grid": "lora"}
-             | {"grid_wave16": "lora", "grid_rb32": "lora", "grid_countswap_split": "lora"})
+             | {"grid_wave16": "lora", "grid_rb32": "lora", "grid_countswap_split": "lora"}
+             | {"grid_k1pf_split": "lora"})
 
 K1_SPIN = ('        k1_done = tl.atomic_add(k1_sync_ptr, 0, sem="acquire", scope="gpu")\n'
            '        while k1_done < k1_programs:\n'
@@ -69,6 +75,45 @@ K1_SPIN = ('        k1_done = tl.atomic_add(k1_sync_ptr, 0, sem="acquire", scope
 # K1_THREADS: a scalar atomic at once for W8A8, one lane's atomic read at the program's end for W8A16)
 COUNT_CHOICE = '32 * cfg.num_warps if mode == "w8a16" else 0, dummy)'
 COUNT_SWAPPED = '0 if mode == "w8a16" else 32 * cfg.num_warps, dummy)'
+# variant k1pf: K1's programs in the grid, once counted done, ask the projection's B (every slice, the slot of token
+# row 0) into L2, a 4 KiB-aligned share each, while the GEMM programs stream their weights: the epilogue's B loads
+# would then hit L2 instead of following the main loop to HBM (session 24: a per-column prefetch by the GEMM
+# programs themselves cost more than it bought, it delayed their main loop)
+K1_DONE = '            stamp(pid >= 0, K1_END, True)\n            return\n'
+K1_DONE_PF = ('            stamp(pid >= 0, K1_END, True)\n'
+              '            _k1_prefetch_b(pid, k1_programs, b0_ptr, b1_ptr, b2_ptr, slot_ptr, N, end0, end1,\n'
+              '                           stride_bs0, stride_bs1, stride_bs2, stride_bn, N_SLICES, ALL_SLOT0)\n'
+              '            return\n')
+K1_PREFETCH_B = '''
+
+@triton.jit
+def _k1_prefetch_b(pid, programs, b0_ptr, b1_ptr, b2_ptr, slot_ptr, N, end0, end1, stride_bs0, stride_bs1, stride_bs2,
+                   stride_bn, N_SLICES: tl.constexpr, ALL_SLOT0: tl.constexpr):
+    slot = tl.full([], 0, tl.int32)
+    if not ALL_SLOT0:
+        slot = tl.load(slot_ptr).to(tl.int32)
+    if slot >= 0:
+        EL: tl.constexpr = b0_ptr.dtype.element_ty.primitive_bitwidth // 8
+        for l in tl.static_range(N_SLICES):
+            if l == 0:
+                b = b0_ptr + slot.to(tl.int64) * stride_bs0
+                rows = end0
+            elif l == 1:
+                b = b1_ptr + slot.to(tl.int64) * stride_bs1
+                rows = end1 - end0
+            else:
+                b = b2_ptr + slot.to(tl.int64) * stride_bs2
+                rows = N - end1
+            nbytes = rows.to(tl.int64) * stride_bn * EL
+            chunk = tl.cdiv(tl.cdiv(nbytes, programs), 4096) * 4096
+            lo = pid * chunk
+            hi = tl.minimum(nbytes, lo + chunk)
+            for off in range(lo, hi, 65536):
+                size = tl.minimum(hi - off, 65536).to(tl.int32)
+                addr = (b + off // EL).to(tl.int64, bitcast=True)
+                tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\\n mov.u32 $0, 0;", "=r,l,r",
+                                          [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+'''
 T0 = time.time()
 
 
@@ -79,12 +124,13 @@ def log(msg):
 def variant_source(arm: str) -> str:
     from bench.lab.k2_ab import standalone_source
     s = standalone_source(SRC.read_text())
-    edits = {"nowait": [(K1_SPIN, "")], "countswap": [(COUNT_CHOICE, COUNT_SWAPPED)]}[arm]
+    edits = {"nowait": [(K1_SPIN, "")], "countswap": [(COUNT_CHOICE, COUNT_SWAPPED)],
+             "k1pf": [(K1_DONE, K1_DONE_PF)]}[arm]
     for old, new in edits:
         if s.count(old) != 1:
             raise SystemExit(f"explore_decode_epilogue: the kernel changed, this edit no longer applies:\n{old}")
         s = s.replace(old, new)
-    return s
+    return s + K1_PREFETCH_B if arm == "k1pf" else s
 
 
 def load_variant(arm: str):
@@ -139,7 +185,8 @@ def arm_fn(p, mode, arm, mods):
 ARMS = (("base", "lora", "lora_bf16") + tuple(f"lora_{p}" for p in PLACES) + ("grid",)
         + tuple(f"grid_{p}" for p in PLACES) + ("grid_countswap_split", "grid_nowait", "grid_nowait_before_loop",
                                                 "grid_nowait_split")
-        + tuple(f"grid_{k}" for k in KNOB_ARMS))
+        + tuple(f"grid_{k}" for k in KNOB_ARMS)
+        + ("grid_k1pf_split",))
 
 
 def _precompile(calls, jobs: int, what: str) -> None:
@@ -181,7 +228,7 @@ def run(reps: int, M: int, jobs: int, mods: dict) -> dict:
     return dict(rows=rows, layer=layer)
 
 
-LAYER_ARMS = ("base", "off") + PLACES + ("split_countswap", "split_wave16")
+LAYER_ARMS = ("base", "off") + PLACES + ("split_countswap", "split_wave16", "split_k1pf")
 
 
 def layer_fn(probs, mode, arm, mods):
