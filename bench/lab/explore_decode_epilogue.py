@@ -114,6 +114,7 @@ def _k1_prefetch_b(pid, programs, b0_ptr, b1_ptr, b2_ptr, slot_ptr, N, end0, end
                 tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\\n mov.u32 $0, 0;", "=r,l,r",
                                           [addr, size], dtype=tl.int32, is_pure=False, pack=1)
 '''
+APPENDED = {"k1pf": K1_PREFETCH_B}     # helpers a copy's edits call, added at the module's end
 T0 = time.time()
 
 
@@ -130,7 +131,7 @@ def variant_source(arm: str) -> str:
         if s.count(old) != 1:
             raise SystemExit(f"explore_decode_epilogue: the kernel changed, this edit no longer applies:\n{old}")
         s = s.replace(old, new)
-    return s + K1_PREFETCH_B if arm == "k1pf" else s
+    return s + APPENDED.get(arm, "")
 
 
 def load_variant(arm: str):
@@ -234,7 +235,7 @@ LAYER_ARMS = ("base", "off") + PLACES + ("split_countswap", "split_wave16", "spl
 def layer_fn(probs, mode, arm, mods):
     """fn() running the four projections of one layer through rlfp8.kernels.fp8_lora_linear with the default
     knobs (the engine's decode path: quantizer, K1 in K2's grid, PDL) and k2_prefetch_epilogue = arm ("base": no
-    adapter); split_countswap: at place split, K2 the countswap copy's kernel (the launches go through the
+    adapter); split_<copy> (countswap, k1pf): at place split, K2 that copy's kernel (the launches go through the
     package's host code); split_wave16: at place split with k1_in_k2_one_wave = w8a16."""
     from rlfp8.kernels import gemm_triton
     from rlfp8.kernels.knobs import restore_knobs, set_knobs
