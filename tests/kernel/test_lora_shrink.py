@@ -158,7 +158,13 @@ def test_decode_rank_blocks_keep_h_and_multiply_the_programs(rank_block, device)
             grids.append([(g, kw["BR_BLOCK"]) for _, g, _, kw in rec])
         finally:
             knobs.restore_knobs(saved)
-    assert torch.equal(outs[0], outs[1])
+    if device == "cuda":
+        assert torch.equal(outs[0], outs[1])
+    else:
+        # The interpreter's tl.dot is numpy's sgemm, whose summation order depends on the dot's width and the CPU's
+        # OpenBLAS kernel (Haswell/Zen kernels give a 16-wide slice other bits than the 64-wide dot): same bits is a
+        # GPU property, checked above on a GPU; here the split may differ by fp32 rounding only.
+        assert rel_err(outs[1], outs[0]) < 1e-6
     blocks = 64 // rank_block
     assert grids[1][0] == ((grids[0][0][0][0] * blocks,), rank_block) and grids[0][0][1] == 64
     assert grids[1][1] == grids[0][1]                               # 17 tokens: the whole rank per program
