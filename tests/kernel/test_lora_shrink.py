@@ -163,7 +163,8 @@ def test_decode_rank_blocks_keep_h_and_multiply_the_programs(rank_block, device)
     else:
         # The interpreter's tl.dot is numpy's sgemm, whose summation order depends on the dot's width and the CPU's
         # OpenBLAS kernel (Haswell/Zen kernels give a 16-wide slice other bits than the 64-wide dot): same bits is a
-        # GPU property, checked above on a GPU; here the split may differ by fp32 rounding only.
+        # GPU property (the branch above, and tests/gpu/test_kernels_gpu.py::test_k1_decode_rank_blocks_same_bits);
+        # here the split may differ by fp32 rounding only.
         assert rel_err(outs[1], outs[0]) < 1e-6
     blocks = 64 // rank_block
     assert grids[1][0] == ((grids[0][0][0][0] * blocks,), rank_block) and grids[0][0][1] == 64
