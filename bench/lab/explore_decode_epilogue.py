@@ -25,6 +25,11 @@ projection, both engine modes, the arms replayed in turn (L2 flushed before each
                  epilogue's B loads after the main loop gain from hitting L2 (the GEMM programs' own per-column
                  prefetch delayed their main loop, session 24; Triton's pipelined cp.async loads drop eviction
                  hints, so the weights streamed meanwhile may still push B out of L2)
+    split_xk1    (layer rows only) a lower bound on expand-in-K1 (bench/README.md session 25): K1's programs, once
+                 done, compute h·Bᵀ for a share of the columns into an fp32 buffer while the main loop runs; the
+                 GEMM programs neither wait on K1's counter nor load B, their epilogue adds their tile of it. Racy
+                 (no wait for the whole h, no validity tag): timing only; its outputs are compared with the lora
+                 arm within bf16 rounding (xk1_vs_lora), not bit for bit
     grid_wave16  K1 in the grid at place split with knob k1_in_k2_one_wave = w8a16 (the default before session 23:
                  W8A8 keeps its stages where K1's programs push the grid into a second wave)
     grid_rb32    ... with knob k1_decode_rank_block = 32 (twice K1's programs, each half the ranks)
@@ -38,6 +43,7 @@ projections summed ("layer", K2 only). Outputs are checked against the package's
 keeps the arithmetic).
 
     python bench/lab/explore_decode_epilogue.py --check-edits          # CPU: the copy's edit applies
+    TRITON_INTERPRET=1 python bench/lab/explore_decode_epilogue.py --check-xk1   # CPU: the xk1 copy's sums (~1 min)
     python bench/lab/explore_decode_epilogue.py --out bench/results/explore_decode_epilogue_h200.json   # ~2 min
 """
 from __future__ import annotations
@@ -61,7 +67,7 @@ from pdl_timeline import MODES, MS, problems as layer_problems  # noqa: E402  (t
 from rlfp8.kernels.knobs import K2_PREFETCH_EPILOGUE  # noqa: E402
 
 SRC = ROOT / "rlfp8" / "kernels" / "gemm_triton.py"
-VARIANTS = ("nowait", "countswap", "k1pf")
+VARIANTS = ("nowait", "countswap", "k1pf", "xk1")
 KNOB_ARMS = {"wave16": dict(k1_in_k2_one_wave="w8a16"), "rb32": dict(k1_decode_rank_block=32)}
 PLACES = K2_PREFETCH_EPILOGUE[1:]       # every place but off
 SAME_BITS = ({f"{k}_{p}": "lora" for k in ("lora", "grid") for p in PLACES} | {"grid": "lora"}
@@ -114,7 +120,67 @@ def _k1_prefetch_b(pid, programs, b0_ptr, b1_ptr, b2_ptr, slot_ptr, N, end0, end
                 tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\\n mov.u32 $0, 0;", "=r,l,r",
                                           [addr, size], dtype=tl.int32, is_pure=False, pack=1)
 '''
-APPENDED = {"k1pf": K1_PREFETCH_B}     # helpers a copy's edits call, added at the module's end
+# variant xk1, a lower bound on session 25's expand-in-K1 design (racy: timing only): K1's programs, once done,
+# compute the expand y = h·Bᵀ for a share of the projection's columns (B streamed while the GEMM's main loop runs)
+# into an fp32 [M, N] buffer (passed as g_ptr, which these calls leave unused); the GEMM programs neither wait on
+# K1's counter nor load B: their epilogue adds their y tile. Left out of the bound: K1's programs waiting for the
+# whole h before their expand, and the validity tag the epilogue would check. One adapter (token row 0's slot),
+# M <= 16. The y a replay reads is the previous replay's where a GEMM program gets there first (same inputs, same
+# values): the outputs are compared with the lora arm within bf16 rounding, not bit for bit
+K1_DONE_XK1 = ('            stamp(pid >= 0, K1_END, True)\n'
+               '            _k1_expand(pid, k1_programs, h_ptr, b0_ptr, b1_ptr, b2_ptr, slot_ptr, g_ptr, M, N, R, end0,\n'
+               '                       end1, stride_hl, stride_hm, stride_hr, stride_bs0, stride_bs1, stride_bs2, stride_bn,\n'
+               '                       stride_br, N_SLICES, ALL_SLOT0, BLOCK_R)\n'
+               '            return\n')
+PREFETCH_B_DEF = "    PREFETCH_B: tl.constexpr = (PREFETCH_EPI != 0 and HAS_LORA"
+PREFETCH_B_XK1 = "    PREFETCH_B: tl.constexpr = (not K1_PROGRAMS and PREFETCH_EPI != 0 and HAS_LORA"
+EPILOGUE_LORA = "    if HAS_LORA:\n        if ALL_SLOT0:\n            slots = tl.where(m_ok, 0, -1)\n"
+EPILOGUE_XK1 = ("    if K1_PROGRAMS:\n"
+                "        acc += tl.load(g_ptr + rows64[None, :] * N + offs_n[:, None], mask=n_ok[:, None] & m_ok[None, :],\n"
+                "                       other=0.0, cache_modifier=\".cg\")\n"
+                "    elif HAS_LORA:\n        if ALL_SLOT0:\n            slots = tl.where(m_ok, 0, -1)\n")
+K1_EXPAND = '''
+
+@triton.jit
+def _k1_expand(pid, programs, h_ptr, b0_ptr, b1_ptr, b2_ptr, slot_ptr, y_ptr, M, N, R, end0, end1, stride_hl,
+               stride_hm, stride_hr, stride_bs0, stride_bs1, stride_bs2, stride_bn, stride_br,
+               N_SLICES: tl.constexpr, ALL_SLOT0: tl.constexpr, BLOCK_R: tl.constexpr):
+    XN: tl.constexpr = 128          # columns per step (slices start at multiples of it in the Qwen3 projections)
+    XM: tl.constexpr = 16           # token rows (M <= 16)
+    slot = tl.full([], 0, tl.int64)
+    if not ALL_SLOT0:
+        slot = tl.load(slot_ptr).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < R
+    offs_m = tl.arange(0, XM)
+    m_ok = offs_m < M
+    chunk = tl.cdiv(tl.cdiv(N, programs), XN) * XN
+    lo = pid * chunk
+    hi = tl.minimum(N, lo + chunk)
+    for sl in tl.static_range(N_SLICES):                 # one loop per slice: one B load, one double buffer each
+        if sl == 0:
+            b_ptr = b0_ptr + slot * stride_bs0
+            s_lo = 0
+            s_hi = end0
+        elif sl == 1:
+            b_ptr = b1_ptr + slot * stride_bs1
+            s_lo = end0
+            s_hi = end1
+        else:
+            b_ptr = b2_ptr + slot * stride_bs2
+            s_lo = end1
+            s_hi = N
+        for n0 in tl.range(tl.maximum(lo, s_lo), tl.minimum(hi, s_hi), XN, num_stages=2):
+            offs_n = n0 + tl.arange(0, XN)
+            n_ok = offs_n < tl.minimum(hi, s_hi)
+            bt = tl.load(b_ptr + (offs_n - s_lo).to(tl.int64)[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                         mask=n_ok[:, None] & r_ok[None, :], other=0.0)                 # [XN, BLOCK_R]
+            hT = tl.load(h_ptr + sl * stride_hl + offs_m[None, :] * stride_hm + offs_r[:, None] * stride_hr,
+                         mask=m_ok[None, :] & r_ok[:, None], other=0.0)                  # [BLOCK_R, XM] fp32
+            y = tl.dot(bt, hT.to(bt.dtype))                                              # [XN, XM] fp32
+            tl.store(y_ptr + offs_m[None, :] * N + offs_n[:, None], y, mask=n_ok[:, None] & m_ok[None, :])
+'''
+APPENDED = {"k1pf": K1_PREFETCH_B, "xk1": K1_EXPAND}     # helpers a copy's edits call, added at the module's end
 T0 = time.time()
 
 
@@ -126,7 +192,9 @@ def variant_source(arm: str) -> str:
     from bench.lab.k2_ab import standalone_source
     s = standalone_source(SRC.read_text())
     edits = {"nowait": [(K1_SPIN, "")], "countswap": [(COUNT_CHOICE, COUNT_SWAPPED)],
-             "k1pf": [(K1_DONE, K1_DONE_PF)]}[arm]
+             "k1pf": [(K1_DONE, K1_DONE_PF)],
+             "xk1": [(K1_SPIN, ""), (K1_DONE, K1_DONE_XK1), (PREFETCH_B_DEF, PREFETCH_B_XK1),
+                     (EPILOGUE_LORA, EPILOGUE_XK1)]}[arm]
     for old, new in edits:
         if s.count(old) != 1:
             raise SystemExit(f"explore_decode_epilogue: the kernel changed, this edit no longer applies:\n{old}")
@@ -229,7 +297,27 @@ def run(reps: int, M: int, jobs: int, mods: dict) -> dict:
     return dict(rows=rows, layer=layer)
 
 
-LAYER_ARMS = ("base", "off") + PLACES + ("split_countswap", "split_wave16", "split_k1pf")
+LAYER_ARMS = ("base", "off") + PLACES + ("split_countswap", "split_wave16", "split_k1pf", "split_xk1")
+XK1_Y: dict = {}        # the xk1 copy's fp32 [16, N] expand buffer per (N, device), made outside any graph capture
+
+
+def xk1_launch(mods):
+    """gemm_triton.launch for the xk1 copy: its K1-in-grid launches get the expand buffer as g_ptr (HAS_G is
+    off in these calls, so the package's host code passes a placeholder there)."""
+    from rlfp8.kernels import _triton_utils as tu
+    kernel = mods["xk1"]._lora_gemm_kernel
+
+    def launch(k, grid, *args, **kwargs):
+        if k is kernel and kwargs.get("K1_PROGRAMS"):
+            M, N = args[2].shape                        # the output [M, N]
+            if M > 16:
+                raise SystemExit(f"explore_decode_epilogue: the xk1 copy takes M <= 16 tokens, got {M}")
+            y = XK1_Y.get((N, args[2].device))
+            if y is None:
+                y = XK1_Y[(N, args[2].device)] = torch.zeros(16, N, dtype=torch.float32, device=args[2].device)
+            args = args[:12] + (y,) + args[13:]         # g_ptr
+        return tu.launch(k, grid, *args, **kwargs)
+    return launch
 
 
 def layer_fn(probs, mode, arm, mods):
@@ -245,19 +333,87 @@ def layer_fn(probs, mode, arm, mods):
 
     def fn():
         saved = set_knobs(k2_prefetch_epilogue=place if place in PLACES else "off", **knob_arm)
-        kernel = gemm_triton._lora_gemm_kernel
+        kernel, launch = gemm_triton._lora_gemm_kernel, gemm_triton.launch
         if var in VARIANTS:
             gemm_triton._lora_gemm_kernel = mods[var]._lora_gemm_kernel
+        if var == "xk1":
+            gemm_triton.launch = xk1_launch(mods)
         try:
-            for p in probs.values():
-                if arm == "base":
-                    fp8_lora_linear(p["x"], p["q"], p["sw"], mode=mode)
-                else:
+            return [fp8_lora_linear(p["x"], p["q"], p["sw"], mode=mode) if arm == "base" else
                     fp8_lora_linear(p["x"], p["q"], p["sw"], p["A"], p["B"], p["meta"], mode=mode)
+                    for p in probs.values()]
         finally:
-            gemm_triton._lora_gemm_kernel = kernel
+            gemm_triton._lora_gemm_kernel, gemm_triton.launch = kernel, launch
             restore_knobs(saved)
     return fn
+
+
+def xk1_vs_lora(probs, mode, mods) -> dict[str, float]:
+    """Per projection of problems(M): max |xk1 - lora| / max |lora|, K2 alone. lora: the package's K2 with h
+    computed beforehand; xk1: the copy with K1's programs in its grid writing a persistent h, its third call (an
+    expand that runs before its launch's h is complete reads the last launch's h, and an epilogue that runs before
+    its columns' expand reads the last launch's y: from the third call on both are the same values). A different
+    summation order, rounded to bf16 once: <= ~1e-2; a wrong expand leaves out the adapter's share of the output.
+    (Session 28's GPU rows took the second call: where they show the adapter's share, the epilogue of the second
+    call read its columns before that call's expand had written them.)"""
+    from rlfp8.kernels import gemm_triton
+    from rlfp8.kernels.shrink_triton import shrink_programs
+    mod = mods["xk1"]
+    out = {}
+    for name, p in probs.items():
+        x_in, xs = (p["xq"], p["xs"]) if mode == "w8a8" else (p["x"], None)
+        ref = gemm_triton.lora_gemm_triton(x_in, p["q"], p["sw"], x_scale=xs, h=p["h"][mode], B=p["B"],
+                                           meta=p["meta"])
+        h_grid = torch.zeros_like(p["h"][mode])
+        launch, mod.launch = mod.launch, xk1_launch(mods)
+        try:
+            for _ in range(3):
+                sp = shrink_programs(p["x"], p["A"], p["meta"], out=h_grid, mode=mode)
+                y = mod.lora_gemm_triton(x_in, p["q"], p["sw"], x_scale=xs, h=h_grid, B=p["B"], meta=p["meta"],
+                                         shrink=sp)
+        finally:
+            mod.launch = launch
+        out[name] = float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
+    return out
+
+
+def check_xk1_cpu() -> None:
+    """The xk1 copy under the CPU interpreter on small projections (three slices of 128 / 256 / 128 columns, and
+    one), M = 1 and 4, both modes: its output against the lora arm within bf16 rounding, where the adapter's share
+    of the output (what a missing or misplaced expand would leave out) is far larger."""
+    from tests import triton_interp_patch
+    from rlfp8.kernels import dispatch, fp8, gemm_triton
+    from rlfp8.kernels.metadata import build_lora_meta
+    from rlfp8.kernels.shrink import lora_shrink
+    triton_interp_patch.apply()
+    g = torch.Generator().manual_seed(0)
+    mods = {"xk1": load_variant("xk1")}
+    for M in (1, 4):
+        probs = {}
+        for name, (K, widths) in {"qkv": (256, [128, 256, 128]), "down": (512, [256])}.items():
+            q, sw = fp8.quantize_weight_ref(torch.randn(sum(widths), K, generator=g) * 0.02)
+            A = [(torch.randn(1, 64, K, generator=g) * 0.02).to(torch.bfloat16) for _ in widths]
+            B = [(torch.randn(1, n, 64, generator=g) * 0.05).to(torch.bfloat16) for n in widths]
+            x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+            meta = build_lora_meta(torch.zeros(M, dtype=torch.long), 1)
+            xq, xs = fp8.quantize_activation(x, "div")
+            h = {mode: lora_shrink(x, A, meta, mode=mode).h.clone() for mode in MODES}
+            probs[name] = dict(x=x, xq=xq, xs=xs, q=q, sw=sw, A=A, B=B, h=h, meta=meta)
+        for mode in MODES:
+            with dispatch.use_backend("triton"):
+                diff = xk1_vs_lora(probs, mode, mods)
+                share = {}
+                for name, p in probs.items():
+                    x_in, xs = (p["xq"], p["xs"]) if mode == "w8a8" else (p["x"], None)
+                    base = gemm_triton.lora_gemm_triton(x_in, p["q"], p["sw"], x_scale=xs)
+                    ref = gemm_triton.lora_gemm_triton(x_in, p["q"], p["sw"], x_scale=xs, h=p["h"][mode], B=p["B"],
+                                                       meta=p["meta"])
+                    share[name] = float((ref.float() - base.float()).abs().max() / ref.float().abs().max())
+            log(f"xk1 M={M} {mode}: |xk1 - lora| / |lora| {diff}, the adapter's share {share}")
+            bad = {n: d for n, d in diff.items() if not d < 0.02 < 0.1 < share[n]}
+            if bad:
+                raise SystemExit(f"explore_decode_epilogue: the xk1 copy's output is off at M={M} {mode}: {bad}")
+    log("xk1: outputs within bf16 rounding of the lora arm")
 
 
 def layer_run(reps: int, M: int, jobs: int, mods: dict) -> list[dict]:
@@ -272,7 +428,8 @@ def layer_run(reps: int, M: int, jobs: int, mods: dict) -> list[dict]:
         fns = [layer_fn(probs, mode, a, mods) for a in LAYER_ARMS]
         us = dict(zip(LAYER_ARMS, timer.paired_us(fns)))
         rows.append(dict(mode=mode, M=M, us={a: round(v, 2) for a, v in us.items()},
-                         over_base={a: round(v / us["base"], 4) for a, v in us.items()}))
+                         over_base={a: round(v / us["base"], 4) for a, v in us.items()},
+                         xk1_vs_lora=xk1_vs_lora(probs, mode, mods)))
         log(f"{mode} layer M={M}: " + " ".join(f"{a} {v:.2f} ({v / us['base']:.3f})" for a, v in us.items()))
     return rows
 
@@ -285,7 +442,13 @@ def main():
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 4))
     ap.add_argument("--layer-only", action="store_true", help="only the layer rows (the engine's decode path)")
     ap.add_argument("--check-edits", action="store_true", help="build every copy's source (CPU) and stop")
+    ap.add_argument("--check-xk1", action="store_true", help="the xk1 copy under the CPU interpreter, then stop "
+                                                             "(TRITON_INTERPRET=1)")
     a = ap.parse_args()
+    if a.check_xk1:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("explore_decode_epilogue: --check-xk1 runs under the interpreter: TRITON_INTERPRET=1")
+        return check_xk1_cpu()
     if a.check_edits:
         for v in VARIANTS:
             src = variant_source(v)
