@@ -14,7 +14,7 @@ from rlfp8.kernels.gemm_triton import lora_gemm_triton
 from rlfp8.kernels.metadata import build_lora_meta
 from rlfp8.kernels.projection import fp8_lora_linear
 from rlfp8.kernels.shrink_ref import lora_shrink_ref
-from tests.conftest import rel_err
+from tests.conftest import HAS_CUDA, rel_err
 from tests.oracles import gemm_fp64
 
 SMALL = GemmConfig(64, 16, 64, 1, 2, 4, 2)
@@ -243,6 +243,18 @@ def test_explore_k2_decode_edits_still_apply():
     from bench.lab.explore_k2_decode import ARMS, variant_source
     for arm in ARMS + ("timed",):
         ast.parse(variant_source(arm))
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter's sums (the lab script checks its copies on the GPU)")
+def test_explore_decode_epilogue_copies_apply_and_xk1_sums():
+    """bench/lab/explore_decode_epilogue.py times copies of this kernel made by textual edits: every edit must still
+    apply and give valid Python, and the xk1 copy (expand-in-K1's lower bound: K1's programs expand h·Bᵀ into a
+    buffer the epilogue adds) must still give the lora output within bf16 rounding under the interpreter."""
+    import ast
+    from bench.lab import explore_decode_epilogue as lab
+    for variant in lab.VARIANTS:
+        ast.parse(lab.variant_source(variant))
+    lab.check_xk1_cpu()         # raises SystemExit naming the projection whose output is off
 
 
 @pytest.mark.parametrize("split,block_m,interpreting,dist", [
