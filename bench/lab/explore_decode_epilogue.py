@@ -30,6 +30,12 @@ projection, both engine modes, the arms replayed in turn (L2 flushed before each
                  GEMM programs neither wait on K1's counter nor load B, their epilogue adds their tile of it. Racy
                  (no wait for the whole h, no validity tag): timing only; its outputs are compared with the lora
                  arm within bf16 rounding (xk1_vs_lora), not bit for bit
+    split_fp8ad  (layer rows only) the adapter's weights as FP8 e4m3 codes (half the bytes of bf16): K1's programs in
+                 the grid widen A's codes to x's type before their MMA (a copy of K1), K2's epilogue widens B's
+                 (the package's epilogue already does: B.to(bf16)); the launches get FP8 tensors in place of the bf16
+                 adapters (fp8ad_launch). No scales: every arm's adapters are rounded to values e4m3 holds, so this
+                 arm's outputs are compared with the split arm's bit for bit (a real design would fold per-rank
+                 scales into h in K1). What halving the adapter's bytes buys at decode
     grid_wave16  K1 in the grid at place split with knob k1_in_k2_one_wave = w8a16 (the default before session 23:
                  W8A8 keeps its stages where K1's programs push the grid into a second wave)
     grid_rb32    ... with knob k1_decode_rank_block = 32 (twice K1's programs, each half the ranks)
@@ -67,7 +73,7 @@ from pdl_timeline import MODES, MS, problems as layer_problems  # noqa: E402  (t
 from rlfp8.kernels.knobs import K2_PREFETCH_EPILOGUE  # noqa: E402
 
 SRC = ROOT / "rlfp8" / "kernels" / "gemm_triton.py"
-VARIANTS = ("nowait", "countswap", "k1pf", "xk1")
+VARIANTS = ("nowait", "countswap", "k1pf", "xk1", "fp8ad")
 KNOB_ARMS = {"wave16": dict(k1_in_k2_one_wave="w8a16"), "rb32": dict(k1_decode_rank_block=32)}
 PLACES = K2_PREFETCH_EPILOGUE[1:]       # every place but off
 SAME_BITS = ({f"{k}_{p}": "lora" for k in ("lora", "grid") for p in PLACES} | {"grid": "lora"}
@@ -180,6 +186,13 @@ def _k1_expand(pid, programs, h_ptr, b0_ptr, b1_ptr, b2_ptr, slot_ptr, y_ptr, M,
             y = tl.dot(bt, hT.to(bt.dtype))                                              # [XN, XM] fp32
             tl.store(y_ptr + offs_m[None, :] * N + offs_n[:, None], y, mask=n_ok[:, None] & m_ok[None, :])
 '''
+# variant fp8ad: K1's programs (shrink_triton._shrink_program, imported by K2's module) from a copy of shrink_triton
+# whose MMA widens A's tile to x's type (exact: every e4m3 value is a bf16 value); K2's epilogue takes FP8 B as is
+SHRINK_SRC = ROOT / "rlfp8" / "kernels" / "shrink_triton.py"
+K1_DOT = "            acc = tl.dot(xt, tl.trans(at), acc)"
+K1_DOT_FP8 = "            acc = tl.dot(xt, tl.trans(at.to(xt.dtype)), acc)"
+K1_IMPORT = "from rlfp8.kernels.shrink_triton import ShrinkPrograms, _shrink_program\n"
+K1_IMPORT_FP8AD = "from rlfp8.kernels.shrink_triton import ShrinkPrograms\nfrom k1_fp8ad import _shrink_program\n"
 APPENDED = {"k1pf": K1_PREFETCH_B, "xk1": K1_EXPAND}     # helpers a copy's edits call, added at the module's end
 T0 = time.time()
 
@@ -194,16 +207,28 @@ def variant_source(arm: str) -> str:
     edits = {"nowait": [(K1_SPIN, "")], "countswap": [(COUNT_CHOICE, COUNT_SWAPPED)],
              "k1pf": [(K1_DONE, K1_DONE_PF)],
              "xk1": [(K1_SPIN, ""), (K1_DONE, K1_DONE_XK1), (PREFETCH_B_DEF, PREFETCH_B_XK1),
-                     (EPILOGUE_LORA, EPILOGUE_XK1)]}[arm]
+                     (EPILOGUE_LORA, EPILOGUE_XK1)],
+             "fp8ad": [(K1_IMPORT, K1_IMPORT_FP8AD)]}[arm]
+    return _edited(s, edits) + APPENDED.get(arm, "")
+
+
+def _edited(s: str, edits) -> str:
     for old, new in edits:
         if s.count(old) != 1:
             raise SystemExit(f"explore_decode_epilogue: the kernel changed, this edit no longer applies:\n{old}")
         s = s.replace(old, new)
-    return s + APPENDED.get(arm, "")
+    return s
+
+
+def k1_fp8ad_source() -> str:
+    from bench.lab.k2_ab import standalone_source
+    return _edited(standalone_source(SHRINK_SRC.read_text()), [(K1_DOT, K1_DOT_FP8)])
 
 
 def load_variant(arm: str):
     from bench.lab.k2_ab import import_source
+    if arm == "fp8ad":
+        import_source(k1_fp8ad_source(), "k1_fp8ad")     # before K2's copy, which imports it
     return import_source(variant_source(arm), f"k2_epi_{arm}")
 
 
@@ -222,9 +247,14 @@ def k2_x(p, mode):
 
 
 def problems(M: int):
-    """bench/pdl_timeline.py's layer at M tokens, with each projection's x codes and h computed beforehand."""
-    return {name: projection_problem(xs[M], q, sw, A, B, metas[M])
-            for name, (xs, q, sw, A, B, metas) in layer_problems().items()}
+    """bench/pdl_timeline.py's layer at M tokens, with each projection's x codes and h computed beforehand; the
+    adapters rounded to values FP8 e4m3 holds (for the fp8ad copy's bit comparison; the timings do not see values)."""
+    out = {}
+    for name, (xs, q, sw, A, B, metas) in layer_problems().items():
+        for t in (*A, *B):
+            t.copy_(t.to(torch.float8_e4m3fn).to(t.dtype))
+        out[name] = projection_problem(xs[M], q, sw, A, B, metas[M])
+    return out
 
 
 def arm_fn(p, mode, arm, mods):
@@ -304,7 +334,7 @@ def run(reps: int, M: int, jobs: int, mods: dict) -> dict:
     return dict(rows=rows, layer=layer)
 
 
-LAYER_ARMS = ("base", "off") + PLACES + ("split_countswap", "split_wave16", "split_k1pf", "split_xk1")
+LAYER_ARMS = ("base", "off") + PLACES + ("split_countswap", "split_wave16", "split_k1pf", "split_xk1", "split_fp8ad")
 XK1_Y: dict = {}        # the xk1 copy's fp32 [16, N] expand buffer per (N, device), made outside any graph capture
 
 
@@ -327,10 +357,48 @@ def xk1_launch(mods):
     return launch
 
 
+FP8_ADAPTERS: dict = {}     # data_ptr of a bf16 adapter tensor -> its FP8 e4m3 copy (fp8ad_launch's substitutes)
+FP8AD_ARGS = ("b0_ptr", "b1_ptr", "b2_ptr", "k1_a0_ptr", "k1_a1_ptr", "k1_a2_ptr")
+
+
+def fp8_adapters(probs) -> None:
+    """Register FP8 copies of every projection's adapter weights (their values are e4m3 values: problems())."""
+    for p in probs.values():
+        for t in (*p["A"], *p["B"]):
+            if t.data_ptr() not in FP8_ADAPTERS:
+                FP8_ADAPTERS[t.data_ptr()] = t.to(torch.float8_e4m3fn)
+
+
+def fp8ad_launch(mods):
+    """gemm_triton.launch for the fp8ad copy: every K2 launch must carry K1's programs (the decode path), and gets
+    the FP8 copies of its adapter's A and B in place of the bf16 tensors the package's host code checked (same
+    shapes, same element strides)."""
+    from rlfp8.kernels import _triton_utils as tu
+    kernel = mods["fp8ad"]._lora_gemm_kernel
+    where = [kernel.arg_names.index(n) for n in FP8AD_ARGS]
+
+    def as_fp8(t):
+        f = FP8_ADAPTERS.get(t.data_ptr())
+        if f is None:
+            raise SystemExit(f"explore_decode_epilogue: no FP8 copy of the adapter tensor {tuple(t.shape)}")
+        return f.as_strided(t.shape, t.stride())
+
+    def launch(k, grid, *args, **kwargs):
+        if k is kernel:
+            if not kwargs.get("K1_PROGRAMS"):
+                raise SystemExit("explore_decode_epilogue: the fp8ad arm's K2 launch has no K1 programs in its grid "
+                                 "(knob k1_in_k2): K1's own kernel would read bf16 A")
+            args = list(args)
+            for i in where:
+                args[i] = as_fp8(args[i])
+        return tu.launch(k, grid, *args, **kwargs)
+    return launch
+
+
 def layer_fn(probs, mode, arm, mods):
     """fn() running the four projections of one layer through rlfp8.kernels.fp8_lora_linear with the default
     knobs (the engine's decode path: quantizer, K1 in K2's grid, PDL) and k2_prefetch_epilogue = arm ("base": no
-    adapter); split_<copy> (countswap, k1pf): at place split, K2 that copy's kernel (the launches go through the
+    adapter); split_<copy> (countswap, k1pf, xk1, fp8ad): at place split, K2 that copy's kernel (the launches go through the
     package's host code); split_wave16: at place split with k1_in_k2_one_wave = w8a16."""
     from rlfp8.kernels import gemm_triton
     from rlfp8.kernels.knobs import restore_knobs, set_knobs
@@ -345,6 +413,8 @@ def layer_fn(probs, mode, arm, mods):
             gemm_triton._lora_gemm_kernel = mods[var]._lora_gemm_kernel
         if var == "xk1":
             gemm_triton.launch = xk1_launch(mods)
+        if var == "fp8ad":
+            gemm_triton.launch = fp8ad_launch(mods)
         try:
             return [fp8_lora_linear(p["x"], p["q"], p["sw"], mode=mode) if arm == "base" else
                     fp8_lora_linear(p["x"], p["q"], p["sw"], p["A"], p["B"], p["meta"], mode=mode)
@@ -353,6 +423,14 @@ def layer_fn(probs, mode, arm, mods):
             gemm_triton._lora_gemm_kernel, gemm_triton.launch = kernel, launch
             restore_knobs(saved)
     return fn
+
+
+def fp8ad_same_bits(probs, mode, mods) -> dict[str, bool]:
+    """Per projection: the fp8ad arm's output equal, bit for bit, to the split arm's (the package's decode path
+    with the bf16 adapters holding the same e4m3 values)."""
+    ref = layer_fn(probs, mode, "split", mods)()
+    got = layer_fn(probs, mode, "split_fp8ad", mods)()
+    return {name: bool(torch.equal(r, g)) for name, r, g in zip(probs, ref, got)}
 
 
 def xk1_vs_lora(probs, mode, mods) -> dict[str, float]:
@@ -391,24 +469,80 @@ def rel_to(y, ref) -> float:
     return float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
 
 
+def small_problems(M: int, g, fp8_values: bool = False) -> dict:
+    """Two small projections on the CPU (three slices of 128 / 256 / 128 columns, and one), rank 64, one adapter
+    on every token; fp8_values: the adapters rounded to values FP8 e4m3 holds."""
+    from rlfp8.kernels import fp8
+    from rlfp8.kernels.metadata import build_lora_meta
+    probs = {}
+    for name, (K, widths) in {"qkv": (256, [128, 256, 128]), "down": (512, [256])}.items():
+        q, sw = fp8.quantize_weight_ref(torch.randn(sum(widths), K, generator=g) * 0.02)
+        A = [(torch.randn(1, 64, K, generator=g) * 0.02).to(torch.bfloat16) for _ in widths]
+        B = [(torch.randn(1, n, 64, generator=g) * 0.05).to(torch.bfloat16) for n in widths]
+        if fp8_values:
+            for t in (*A, *B):
+                t.copy_(t.to(torch.float8_e4m3fn).to(t.dtype))
+        x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+        probs[name] = projection_problem(x, q, sw, A, B, build_lora_meta(torch.zeros(M, dtype=torch.long), 1))
+    return probs
+
+
+def check_fp8ad_cpu() -> None:
+    """The fp8ad copy under the CPU interpreter (small projections, M = 1 and 4, both modes): K1's programs in
+    K2's grid and K2's epilogue reading FP8 adapter weights give the bits of the package's decode path on bf16
+    adapters holding the same values; and the FP8 tensors were what the kernel read (a copy reading the bf16 ones
+    would also match, so the check also runs it on FP8 copies scaled by 2: the adapter's share must double)."""
+    from tests import triton_interp_patch
+    from rlfp8.kernels import dispatch, gemm_triton
+    from rlfp8.kernels.shrink_triton import shrink_programs
+    triton_interp_patch.apply()
+    g = torch.Generator().manual_seed(1)
+    mods = {"fp8ad": load_variant("fp8ad")}
+    mod = mods["fp8ad"]
+    for M in (1, 4):
+        probs = small_problems(M, g, fp8_values=True)
+        for mode in MODES:
+            for name, p in probs.items():
+                x_in, xs = k2_x(p, mode)
+
+                def run(m):
+                    sp = shrink_programs(p["x"], p["A"], p["meta"], out=torch.zeros_like(p["h"][mode]), mode=mode)
+                    return m.lora_gemm_triton(x_in, p["q"], p["sw"], x_scale=xs, h=sp.out.h, B=p["B"],
+                                              meta=p["meta"], shrink=sp)
+                with dispatch.use_backend("triton"):
+                    ref = run(gemm_triton)
+                    base = gemm_triton.lora_gemm_triton(x_in, p["q"], p["sw"], x_scale=xs)
+                    FP8_ADAPTERS.clear()
+                    fp8_adapters({name: p})
+                    launch, mod.launch = mod.launch, fp8ad_launch(mods)
+                    try:
+                        got = run(mod)
+                        for t in (*p["A"], *p["B"]):             # A and B doubled: h·Bᵀ four times
+                            FP8_ADAPTERS[t.data_ptr()] = (t.float() * 2).to(torch.float8_e4m3fn)
+                        got4 = run(mod)
+                    finally:
+                        mod.launch = launch
+                        FP8_ADAPTERS.clear()
+                share, share4 = (ref.float() - base.float()), (got4.float() - base.float())
+                four = rel_to(share4, share * 4)
+                log(f"fp8ad M={M} {mode} {name}: same bits {torch.equal(got, ref)}, 2x adapters: "
+                    f"|share - 4 x share| / |4 x share| {four:.4f}")
+                if not torch.equal(got, ref) or not four < 0.02:
+                    raise SystemExit(f"explore_decode_epilogue: the fp8ad copy is off at M={M} {mode} {name}")
+    log("fp8ad: same bits as the package's decode path; the kernel read the FP8 tensors")
+
+
 def check_xk1_cpu() -> None:
     """The xk1 copy under the CPU interpreter on small projections (three slices of 128 / 256 / 128 columns, and
     one), M = 1 and 4, both modes: its output against the lora arm within bf16 rounding, where the adapter's share
     of the output (what a missing or misplaced expand would leave out) is far larger."""
     from tests import triton_interp_patch
-    from rlfp8.kernels import dispatch, fp8, gemm_triton
-    from rlfp8.kernels.metadata import build_lora_meta
+    from rlfp8.kernels import dispatch, gemm_triton
     triton_interp_patch.apply()
     g = torch.Generator().manual_seed(0)
     mods = {"xk1": load_variant("xk1")}
     for M in (1, 4):
-        probs = {}
-        for name, (K, widths) in {"qkv": (256, [128, 256, 128]), "down": (512, [256])}.items():
-            q, sw = fp8.quantize_weight_ref(torch.randn(sum(widths), K, generator=g) * 0.02)
-            A = [(torch.randn(1, 64, K, generator=g) * 0.02).to(torch.bfloat16) for _ in widths]
-            B = [(torch.randn(1, n, 64, generator=g) * 0.05).to(torch.bfloat16) for n in widths]
-            x = torch.randn(M, K, generator=g).to(torch.bfloat16)
-            probs[name] = projection_problem(x, q, sw, A, B, build_lora_meta(torch.zeros(M, dtype=torch.long), 1))
+        probs = small_problems(M, g)
         for mode in MODES:
             with dispatch.use_backend("triton"):
                 diff = xk1_vs_lora(probs, mode, mods)
@@ -428,6 +562,7 @@ def layer_run(reps: int, M: int, jobs: int, mods: dict) -> list[dict]:
     """The layer as issue 15 reads it (bench/pdl_timeline.py's layer rows), per arm of K2's copies."""
     from kernel_bench import Timer
     probs = problems(M)
+    fp8_adapters(probs)
     _precompile([layer_fn(probs, mode, arm, mods) for mode in MODES for arm in LAYER_ARMS], jobs,
                 f"layer, M={M}")
     timer = Timer(reps)
@@ -437,7 +572,8 @@ def layer_run(reps: int, M: int, jobs: int, mods: dict) -> list[dict]:
         us = dict(zip(LAYER_ARMS, timer.paired_us(fns)))
         rows.append(dict(mode=mode, M=M, us={a: round(v, 2) for a, v in us.items()},
                          over_base={a: round(v / us["base"], 4) for a, v in us.items()},
-                         xk1_vs_lora=xk1_vs_lora(probs, mode, mods)))
+                         xk1_vs_lora=xk1_vs_lora(probs, mode, mods),
+                         fp8ad_same_bits=fp8ad_same_bits(probs, mode, mods)))
         log(f"{mode} layer M={M}: " + " ".join(f"{a} {v:.2f} ({v / us['base']:.3f})" for a, v in us.items()))
     return rows
 
@@ -450,6 +586,8 @@ def main():
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 4))
     ap.add_argument("--layer-only", action="store_true", help="only the layer rows (the engine's decode path)")
     ap.add_argument("--check-edits", action="store_true", help="build every copy's source (CPU) and stop")
+    ap.add_argument("--check-fp8ad", action="store_true", help="the fp8ad copy under the CPU interpreter, then stop "
+                                                               "(TRITON_INTERPRET=1)")
     ap.add_argument("--check-xk1", action="store_true", help="the xk1 copy under the CPU interpreter, then stop "
                                                              "(TRITON_INTERPRET=1)")
     a = ap.parse_args()
@@ -457,6 +595,10 @@ def main():
         if os.environ.get("TRITON_INTERPRET") != "1":
             raise SystemExit("explore_decode_epilogue: --check-xk1 runs under the interpreter: TRITON_INTERPRET=1")
         return check_xk1_cpu()
+    if a.check_fp8ad:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("explore_decode_epilogue: --check-fp8ad runs under the interpreter: TRITON_INTERPRET=1")
+        return check_fp8ad_cpu()
     if a.check_edits:
         for v in VARIANTS:
             src = variant_source(v)

@@ -257,6 +257,15 @@ def test_explore_decode_epilogue_copies_apply_and_xk1_sums():
     lab.check_xk1_cpu()         # raises SystemExit naming the projection whose output is off
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter's bits (the lab script checks its copy on the GPU)")
+def test_explore_decode_epilogue_fp8ad_copy_reads_fp8_adapters_with_same_bits():
+    """The fp8ad copy (the adapter's weights as FP8 codes: K1's programs in K2's grid widen A, K2's epilogue widens
+    B) gives the package's decode-path bits on bf16 adapters holding the same e4m3 values, and reads the FP8 tensors
+    it is given (doubled FP8 adapters quadruple the adapter's share of the output)."""
+    from bench.lab import explore_decode_epilogue as lab
+    lab.check_fp8ad_cpu()       # raises SystemExit naming the mode and projection that is off
+
+
 @pytest.mark.parametrize("split,block_m,interpreting,dist", [
     (4, 64, False, True),       # 64-token decode tiles: 16 tokens per program
     (2, 64, False, True),
