@@ -76,7 +76,8 @@ def _args(argv):
     ap.add_argument("--reps", type=int, default=100, help="CUDA-graph replays per timed arm (median)")
     ap.add_argument("--timeline-reps", type=int, default=30, help="stamped replays per timeline case (median)")
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 4), help="parallel compile workers")
-    ap.add_argument("--rank", type=int, default=RANK, help="the adapters' rank (the issue's lines are at 64; other ranks show how the adapter's cost follows its bytes)")
+    ap.add_argument("--rank", type=int, default=RANK,
+                    help="the adapters' rank (the issue's lines are at 64; other ranks: how the cost follows the rank)")
     ap.add_argument("--no-timeline", action="store_true", help="timings only, no stamped child")
     ap.add_argument("--timeline-worker", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -244,7 +245,8 @@ def acceptance(times, timeline_rows, rank=RANK):
                 exp = [r.get(key) for r in timeline_rows if r["M"] == M and r["mode"] == mode]
                 exposed = round(sum(exp), 3) if exp and None not in exp else None
                 ratio = lay[f"{arm}_over_base"]
-                out.append(dict(arm=arm, mode=mode, M=M, rank=rank, issue_line=rank == 64, layer_over_base=ratio, ratio_ok=ratio <= ACCEPT_RATIO,
+                out.append(dict(arm=arm, mode=mode, M=M, rank=rank, issue_line=rank == RANK, layer_over_base=ratio,
+                                ratio_ok=ratio <= ACCEPT_RATIO,
                                 exposed_k1_layer_us=exposed,
                                 exposed_ok=None if exposed is None else exposed <= ACCEPT_EXPOSED_US))
     return out

@@ -50,11 +50,13 @@ keeps the arithmetic).
 
     python bench/lab/explore_decode_epilogue.py --check-edits          # CPU: the copy's edit applies
     TRITON_INTERPRET=1 python bench/lab/explore_decode_epilogue.py --check-xk1   # CPU: the xk1 copy's sums (~1 min)
+    TRITON_INTERPRET=1 python bench/lab/explore_decode_epilogue.py --check-fp8ad # CPU: the fp8ad copy's bits (~10 s)
     python bench/lab/explore_decode_epilogue.py --out bench/results/explore_decode_epilogue_h200.json   # ~2 min
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -343,16 +345,18 @@ def xk1_launch(mods):
     off in these calls, so the package's host code passes a placeholder there)."""
     from rlfp8.kernels import _triton_utils as tu
     kernel = mods["xk1"]._lora_gemm_kernel
+    out_at, g_at = kernel.arg_names.index("y_ptr"), kernel.arg_names.index("g_ptr")
 
     def launch(k, grid, *args, **kwargs):
         if k is kernel and kwargs.get("K1_PROGRAMS"):
-            M, N = args[2].shape                        # the output [M, N]
+            out = args[out_at]                          # the output [M, N]
+            M, N = out.shape
             if M > 16:
                 raise SystemExit(f"explore_decode_epilogue: the xk1 copy takes M <= 16 tokens, got {M}")
-            y = XK1_Y.get((N, args[2].device))
+            y = XK1_Y.get((N, out.device))
             if y is None:
-                y = XK1_Y[(N, args[2].device)] = torch.zeros(16, N, dtype=torch.float32, device=args[2].device)
-            args = args[:12] + (y,) + args[13:]         # g_ptr
+                y = XK1_Y[(N, out.device)] = torch.zeros(16, N, dtype=torch.float32, device=out.device)
+            args = args[:g_at] + (y,) + args[g_at + 1:]
         return tu.launch(k, grid, *args, **kwargs)
     return launch
 
@@ -396,11 +400,25 @@ def fp8ad_launch(mods):
     return launch
 
 
+COPY_LAUNCHES = {"xk1": xk1_launch, "fp8ad": fp8ad_launch}     # copies whose launches need more than the kernel
+
+
+@contextlib.contextmanager
+def launching(mod, launch):
+    """mod.launch (the `launch` a K2 module's host code calls) replaced by `launch` inside the block."""
+    saved, mod.launch = mod.launch, launch
+    try:
+        yield
+    finally:
+        mod.launch = saved
+
+
 def layer_fn(probs, mode, arm, mods):
     """fn() running the four projections of one layer through rlfp8.kernels.fp8_lora_linear with the default
     knobs (the engine's decode path: quantizer, K1 in K2's grid, PDL) and k2_prefetch_epilogue = arm ("base": no
-    adapter); split_<copy> (countswap, k1pf, xk1, fp8ad): at place split, K2 that copy's kernel (the launches go through the
-    package's host code); split_wave16: at place split with k1_in_k2_one_wave = w8a16."""
+    adapter); split_<copy> (countswap, k1pf, xk1, fp8ad): at place split, K2 that copy's kernel (the launches go
+    through the package's host code, and COPY_LAUNCHES' wrapper where the copy has one); split_wave16: at place
+    split with k1_in_k2_one_wave = w8a16."""
     from rlfp8.kernels import gemm_triton
     from rlfp8.kernels.knobs import restore_knobs, set_knobs
     from rlfp8.kernels.projection import fp8_lora_linear
@@ -412,10 +430,8 @@ def layer_fn(probs, mode, arm, mods):
         kernel, launch = gemm_triton._lora_gemm_kernel, gemm_triton.launch
         if var in VARIANTS:
             gemm_triton._lora_gemm_kernel = mods[var]._lora_gemm_kernel
-        if var == "xk1":
-            gemm_triton.launch = xk1_launch(mods)
-        if var == "fp8ad":
-            gemm_triton.launch = fp8ad_launch(mods)
+        if var in COPY_LAUNCHES:
+            gemm_triton.launch = COPY_LAUNCHES[var](mods)
         try:
             return [fp8_lora_linear(p["x"], p["q"], p["sw"], mode=mode) if arm == "base" else
                     fp8_lora_linear(p["x"], p["q"], p["sw"], p["A"], p["B"], p["meta"], mode=mode)
@@ -446,8 +462,7 @@ def xk1_vs_lora(probs, mode, mods) -> dict[str, float]:
     from rlfp8.kernels.shrink_triton import shrink_programs
     mod = mods["xk1"]
     out = {}
-    launch, mod.launch = mod.launch, xk1_launch(mods)
-    try:
+    with launching(mod, xk1_launch(mods)):
         for name, p in probs.items():
             x_in, xs = k2_x(p, mode)
             h_grid = torch.zeros_like(p["h"][mode])
@@ -456,8 +471,6 @@ def xk1_vs_lora(probs, mode, mods) -> dict[str, float]:
                 y = mod.lora_gemm_triton(x_in, p["q"], p["sw"], x_scale=xs, h=h_grid, B=p["B"], meta=p["meta"],
                                          shrink=sp)
             out[name] = rel_to(y, lora_ref(p, mode))
-    finally:
-        mod.launch = launch
     return out
 
 
@@ -517,15 +530,11 @@ def check_fp8ad_cpu() -> None:
                     ref = run(gemm_triton)
                     base = gemm_triton.lora_gemm_triton(x_in, p["q"], p["sw"], x_scale=xs)
                     fp8_adapters({name: p})
-                    launch, mod.launch = mod.launch, fp8ad_launch(mods)
-                    try:
+                    with launching(mod, fp8ad_launch(mods)):
                         got = run(mod)
                         for t in (*p["A"], *p["B"]):             # A and B doubled: h·Bᵀ four times
                             FP8_ADAPTERS[t.data_ptr()] = (t.float() * 2).to(torch.float8_e4m3fn)
                         got4 = run(mod)
-                    finally:
-                        mod.launch = launch
-                        FP8_ADAPTERS.clear()
                 share, share4 = (ref.float() - base.float()), (got4.float() - base.float())
                 four = rel_to(share4, share * 4)
                 log(f"fp8ad M={M} {mode} {name}: same bits {torch.equal(got, ref)}, 2x adapters: "
@@ -589,19 +598,16 @@ def main():
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 4))
     ap.add_argument("--layer-only", action="store_true", help="only the layer rows (the engine's decode path)")
     ap.add_argument("--check-edits", action="store_true", help="build every copy's source (CPU) and stop")
-    ap.add_argument("--check-fp8ad", action="store_true", help="the fp8ad copy under the CPU interpreter, then stop "
-                                                               "(TRITON_INTERPRET=1)")
-    ap.add_argument("--check-xk1", action="store_true", help="the xk1 copy under the CPU interpreter, then stop "
-                                                             "(TRITON_INTERPRET=1)")
+    interpreter_checks = {"xk1": check_xk1_cpu, "fp8ad": check_fp8ad_cpu}
+    for v in interpreter_checks:
+        ap.add_argument(f"--check-{v}", action="store_true",
+                        help=f"the {v} copy under the CPU interpreter, then stop (TRITON_INTERPRET=1)")
     a = ap.parse_args()
-    if a.check_xk1:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise SystemExit("explore_decode_epilogue: --check-xk1 runs under the interpreter: TRITON_INTERPRET=1")
-        return check_xk1_cpu()
-    if a.check_fp8ad:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise SystemExit("explore_decode_epilogue: --check-fp8ad runs under the interpreter: TRITON_INTERPRET=1")
-        return check_fp8ad_cpu()
+    for v, check in interpreter_checks.items():
+        if getattr(a, f"check_{v}"):
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                raise SystemExit(f"explore_decode_epilogue: --check-{v} runs under the interpreter: TRITON_INTERPRET=1")
+            return check()
     if a.check_edits:
         for v in VARIANTS:
             src = variant_source(v)
