@@ -2,7 +2,8 @@
 model, the same synthetic batch trained with every layer checkpointed (verl's recipes) and with auto, in turn.
 
     python bench/lab/recompute_cost.py --arch qwen3_32b --layers 16 --rows 8 --length 4096 --out /tmp/rc.json
-    python bench/lab/recompute_cost.py --arch qwen3_8b --layers 2 --rows 2 --length 256 --steps 1   # CPU: minutes
+    python bench/lab/recompute_cost.py --arch qwen3_8b --layers 4 --rows 2 --length 256 --micro-batch 1024 \
+        --dtype float32 --steps 2 --modes true,auto,false      # CPU: ~5 min (bf16 matmuls on a CPU are far slower)
 
 --layers keeps the architecture's widths and cuts its depth (a 64-layer 32B trainer with 4k rows needs the GPU
 to itself; the cost per layer is what scales). Per arm: train_step seconds (warm-up steps first, CUDA
