@@ -253,10 +253,15 @@ def problems(M: int):
     adapters rounded to values FP8 e4m3 holds (for the fp8ad copy's bit comparison; the timings do not see values)."""
     out = {}
     for name, (xs, q, sw, A, B, metas) in layer_problems().items():
-        for t in (*A, *B):
-            t.copy_(t.to(torch.float8_e4m3fn).to(t.dtype))
+        round_to_e4m3_(*A, *B)
         out[name] = projection_problem(xs[M], q, sw, A, B, metas[M])
     return out
+
+
+def round_to_e4m3_(*tensors) -> None:
+    """Each tensor rounded in place to the nearest value FP8 e4m3 holds (kept in its own dtype)."""
+    for t in tensors:
+        t.copy_(t.to(torch.float8_e4m3fn).to(t.dtype))
 
 
 def arm_fn(p, mode, arm, mods):
@@ -497,8 +502,7 @@ def small_problems(M: int, g, fp8_values: bool = False) -> dict:
         A = [(torch.randn(1, 64, K, generator=g) * 0.02).to(torch.bfloat16) for _ in widths]
         B = [(torch.randn(1, n, 64, generator=g) * 0.05).to(torch.bfloat16) for n in widths]
         if fp8_values:
-            for t in (*A, *B):
-                t.copy_(t.to(torch.float8_e4m3fn).to(t.dtype))
+            round_to_e4m3_(*A, *B)
         x = torch.randn(M, K, generator=g).to(torch.bfloat16)
         probs[name] = projection_problem(x, q, sw, A, B, build_lora_meta(torch.zeros(M, dtype=torch.long), 1))
     return probs
@@ -508,7 +512,8 @@ def check_fp8ad_cpu() -> None:
     """The fp8ad copy under the CPU interpreter (small projections, M = 1 and 4, both modes): K1's programs in
     K2's grid and K2's epilogue reading FP8 adapter weights give the bits of the package's decode path on bf16
     adapters holding the same values; and the FP8 tensors were what the kernel read (a copy reading the bf16 ones
-    would also match, so the check also runs it on FP8 copies scaled by 2: the adapter's share must double)."""
+    would also match, so the check also runs it on FP8 copies of A and B scaled by 2: the adapter's share must
+    quadruple)."""
     from tests import triton_interp_patch
     from rlfp8.kernels import dispatch, gemm_triton
     from rlfp8.kernels.shrink_triton import shrink_programs
