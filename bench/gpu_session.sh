@@ -33,7 +33,8 @@
 #            every layer checkpointed vs trainer.gradient_checkpointing=auto (~2 min); $OUT/r/recompute_cost_h200.json
 #   placements_8b   one call: the same at the Qwen3-8B shape, 1k-token rollouts, all five configurations
 #            both: P_CONFIGS (order = priority), P_STEPS (2; the budget lowers a run to 1), P_BUDGET_S (520),
-#            P_EXTRA (overrides for every run), DRY_RUN=1 (the plans only); results $OUT/r/placements_<shape>_h200.json,
+#            P_EXTRA (overrides for every run), DRY_RUN=1 (the plans only; on a CPU checkout with
+#            PY=.venv/bin/python, which has Hydra); results $OUT/r/placements_<shape>_h200.json,
 #            runs (metrics, configs, log tails) in $OUT/placements_<shape>.tgz
 #   round_study   one call: the learning study, arms x SEEDS, 8 at once (12 ran the bf16 arm out of GPU memory), study.tgz
 #   round_checks  one call: the GPU tests (kernels, DoRA, host-fast, PDL, one_copy, plugin) beside rlfp8-diagnose
@@ -51,7 +52,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
 export VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RLFP8_CACHE=/tmp/rlfp8-cache
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false RAY_DEDUP_LOGS=0
-PY=${PY:-python3}
+PY=${PY:-python3}  # the interpreter of every stage (the kit's python3 on the device)
 
 case "${1:-}" in
 setup)
